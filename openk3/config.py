@@ -1,0 +1,358 @@
+"""One config object for every K3-family model, with Hugging Face field names.
+
+`K3Config` mirrors the `text_config` of the released Kimi K3 `config.json` (model_type "kimi_linear").
+A field that is absent from a config means the Kimi-Linear behaviour (K3_SPEC section 1): e.g. no
+`attn_res_block_size` is a plain residual stream, no `routed_expert_hidden_size` is the plain MoE.
+
+The config is validated at construction; every error names the offending field and value.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ACTIVATIONS = ("situ", "silu")
+
+@dataclass
+class LinearAttnConfig:
+    """`linear_attn_config` of the HF config: the KDA shape and the (1-indexed) layer schedule."""
+
+    num_heads: int
+    head_dim: int
+    short_conv_kernel_size: int = 4
+    kda_layers: list[int] = field(default_factory=list)
+    full_attn_layers: list[int] = field(default_factory=list)
+    # K3 additions; absent = Kimi-Linear (low-rank output gate, unbounded softplus decay).
+    use_full_rank_gate: bool = False
+    gate_lower_bound: float | None = None
+
+
+@dataclass
+class K3Config:
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_hidden_layers: int = 93
+    num_attention_heads: int = 96
+    num_key_value_heads: int | None = None
+    intermediate_size: int = 33792
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    # Block Attention Residuals; None = plain residual stream (Kimi-Linear).
+    attn_res_block_size: int | None = None
+    # MLA
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = False
+    # KDA and the layer schedule
+    linear_attn_config: LinearAttnConfig = None  # type: ignore[assignment]
+    # MoE
+    num_experts: int = 256
+    num_experts_per_token: int = 8
+    num_shared_experts: int = 1
+    moe_intermediate_size: int = 1024
+    routed_expert_hidden_size: int | None = None  # LatentMoE width; None = plain MoE
+    latent_moe_use_norm: bool = False
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    quantization_config: dict | None = None
+    # token ids
+    bos_token_id: int = 163584
+    eos_token_id: int = 163586
+    pad_token_id: int = 163839
+    # Everything else a loaded config.json carried (e.g. the vision_config of the release), kept for the round trip.
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.linear_attn_config, dict):
+            self.linear_attn_config = LinearAttnConfig(**self.linear_attn_config)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _validate(self)
+
+    # ---- the layer schedule (0-indexed helpers over the 1-indexed config lists) ----
+    def is_kda_layer(self, i: int) -> bool:
+        return (i + 1) in self.linear_attn_config.kda_layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and (i - self.first_k_dense_replace) % self.moe_layer_freq == 0
+
+    @property
+    def latent_moe(self) -> bool:
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    @property
+    def mxfp4_experts(self) -> bool:
+        """Routed experts are stored (and QAT-trained) as MXFP4 when the quantization_config says so."""
+        q = self.quantization_config or {}
+        return q.get("format") == "mxfp4-pack-quantized"
+
+    @property
+    def expert_dim(self) -> int:
+        """Width the routed experts work at: the latent width for LatentMoE, else the hidden size."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    # ---- JSON round trip ----
+    def to_dict(self) -> dict:
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        d["linear_attn_config"] = dataclasses.asdict(self.linear_attn_config)
+        # Absent fields mean Kimi-Linear behaviour, so K3-only fields are written only when set.
+        lac = d["linear_attn_config"]
+        if not lac["use_full_rank_gate"]:
+            del lac["use_full_rank_gate"]
+        if lac["gate_lower_bound"] is None:
+            del lac["gate_lower_bound"]
+        for name in ("attn_res_block_size", "routed_expert_hidden_size", "quantization_config"):
+            if d[name] is None:
+                del d[name]
+        d = {**self.extra.get("text_extra", {}), **d}
+        d.setdefault("model_type", "kimi_linear")
+        d.setdefault("architectures", ["KimiLinearForCausalLM"])
+        return d
+
+    def to_hf_dict(self) -> dict:
+        """The whole config.json: K3-style (text_config inside a KimiK3ForConditionalGeneration) when the
+        loaded config was, else the bare Kimi-Linear text config."""
+        text = self.to_dict()
+        top = self.extra.get("top")
+        if top is None:
+            return text
+        top = dict(top)
+        # The release keeps the token ids at the top level only; keep them where they came from.
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if k in top:
+                top[k] = text[k]
+                if k not in self.extra.get("text_keys", ()):
+                    del text[k]
+        return {**top, "text_config": text}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "K3Config":
+        """From a HF config dict: either a top level with `text_config` or a bare text config."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        top = None
+        if "text_config" in d:
+            top = {k: v for k, v in d.items() if k != "text_config"}
+            d = d["text_config"]
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        text_extra = {k: v for k, v in d.items() if k not in known}
+        if "linear_attn_config" not in kwargs:
+            raise ValueError("config has no linear_attn_config: openk3 needs the KDA/MLA layer lists")
+        lac = dict(kwargs["linear_attn_config"])
+        lac_known = {f.name for f in dataclasses.fields(LinearAttnConfig)}
+        unknown = sorted(set(lac) - lac_known)
+        if unknown:
+            raise ValueError(f"linear_attn_config has unknown field(s) {unknown}")
+        kwargs["linear_attn_config"] = LinearAttnConfig(**lac)
+        if top is not None:
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if k in top and k not in d:
+                    kwargs[k] = top[k]
+        return cls(**kwargs, extra={"top": top, "text_extra": text_extra, "text_keys": sorted(d)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "K3Config":
+        """Load a config.json (or a directory holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config file at {path}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        path.write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+    def replace(self, **changes) -> "K3Config":
+        """A validated copy with some fields changed (`linear_attn_config` may be given as a dict of changes)."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if isinstance(changes.get("linear_attn_config"), dict):
+            changes["linear_attn_config"] = dataclasses.replace(d["linear_attn_config"], **changes["linear_attn_config"])
+        d.update(changes)
+        return K3Config(**d)
+
+
+def _validate(c: K3Config) -> None:
+    def bad(name: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"invalid config: {name}={value!r}: {why}")
+
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "kv_lora_rank", "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise bad(name, v, "must be a positive integer")
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise bad(name, v, "must be a non-negative integer")
+    if c.qk_nope_head_dim + c.qk_rope_head_dim == 0:
+        raise bad("qk_nope_head_dim", c.qk_nope_head_dim, "MLA query/key head size is zero")
+    if c.hidden_act not in ACTIVATIONS:
+        raise bad("hidden_act", c.hidden_act, f"unknown activation; expected one of {ACTIVATIONS}")
+    if c.rms_norm_eps <= 0:
+        raise bad("rms_norm_eps", c.rms_norm_eps, "must be > 0")
+    if c.num_key_value_heads != c.num_attention_heads:
+        raise bad("num_key_value_heads", c.num_key_value_heads,
+                  f"MLA has as many KV heads as query heads ({c.num_attention_heads})")
+    if c.q_lora_rank is not None and c.q_lora_rank <= 0:
+        raise bad("q_lora_rank", c.q_lora_rank, "must be a positive integer or null (no q-LoRA)")
+    if not c.mla_use_nope:
+        raise bad("mla_use_nope", c.mla_use_nope, "only NoPE MLA is implemented (K3 and Kimi-Linear never rotate)")
+
+    lac = c.linear_attn_config
+    if lac is None:
+        raise bad("linear_attn_config", None, "required (KDA shape and layer lists)")
+    for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
+        v = getattr(lac, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise bad(f"linear_attn_config.{name}", v, "must be a positive integer")
+    if lac.gate_lower_bound is not None and not lac.gate_lower_bound < 0:
+        raise bad("linear_attn_config.gate_lower_bound", lac.gate_lower_bound, "must be negative (a log-decay)")
+    kda, mla = list(lac.kda_layers), list(lac.full_attn_layers)
+    n = c.num_hidden_layers
+    for name, lst in (("kda_layers", kda), ("full_attn_layers", mla)):
+        out = [x for x in lst if not isinstance(x, int) or not 1 <= x <= n]
+        if out:
+            raise bad(f"linear_attn_config.{name}", out, f"layer numbers are 1-indexed in [1, {n}]")
+        dup = sorted({x for x in lst if lst.count(x) > 1})
+        if dup:
+            raise bad(f"linear_attn_config.{name}", dup, "layers listed twice")
+    both = sorted(set(kda) & set(mla))
+    if both:
+        raise bad("linear_attn_config", both, "layers are in both kda_layers and full_attn_layers")
+    missing = sorted(set(range(1, n + 1)) - set(kda) - set(mla))
+    if missing:
+        raise bad("linear_attn_config", missing, "layers are in neither kda_layers nor full_attn_layers")
+
+    if c.num_experts_per_token > c.num_experts:
+        raise bad("num_experts_per_token", c.num_experts_per_token,
+                  f"top-k larger than num_experts={c.num_experts}")
+    if c.moe_router_activation_func != "sigmoid":
+        raise bad("moe_router_activation_func", c.moe_router_activation_func, "only 'sigmoid' is implemented")
+    if c.moe_layer_freq < 1:
+        raise bad("moe_layer_freq", c.moe_layer_freq, "must be >= 1")
+    # Released configs use one expert group; grouped top-k with 1 group is plain top-k.
+    if c.num_expert_group != 1 or c.topk_group != 1:
+        raise bad("num_expert_group", (c.num_expert_group, c.topk_group),
+                  "only num_expert_group=1, topk_group=1 (plain top-k) is implemented")
+    if c.routed_expert_hidden_size is not None and c.routed_expert_hidden_size <= 0:
+        raise bad("routed_expert_hidden_size", c.routed_expert_hidden_size, "must be positive or absent")
+    if c.attn_res_block_size is not None and (not isinstance(c.attn_res_block_size, int) or c.attn_res_block_size < 1):
+        raise bad("attn_res_block_size", c.attn_res_block_size, "must be a positive integer or absent")
+    if c.mxfp4_experts and c.expert_dim % 32 != 0:
+        raise bad("routed_expert_hidden_size", c.expert_dim, "MXFP4 experts need a width divisible by 32")
+    if c.mxfp4_experts and c.moe_intermediate_size % 32 != 0:
+        raise bad("moe_intermediate_size", c.moe_intermediate_size, "MXFP4 experts need a multiple of 32")
+    q = c.quantization_config
+    if q is not None and q.get("format") not in (None, "mxfp4-pack-quantized"):
+        raise bad("quantization_config.format", q.get("format"), "only 'mxfp4-pack-quantized' is supported")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(c, name)
+        if v is not None and not 0 <= v < c.vocab_size:
+            raise bad(name, v, f"outside the vocabulary [0, {c.vocab_size})")
+
+
+# ---------------------------------------------------------------- presets
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+_MXFP4 = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "weights": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "symmetric": True,
+                "scale_dtype": "uint8"},
+    "input_activations": None,
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+}
+
+
+def _schedule(n_layers: int, every: int, last_full: bool) -> dict:
+    """1-indexed KDA/MLA lists: MLA every `every` layers (and the last layer when `last_full`)."""
+    full = [i for i in range(1, n_layers + 1) if i % every == 0 or (last_full and i == n_layers)]
+    return {"kda_layers": [i for i in range(1, n_layers + 1) if i not in full], "full_attn_layers": full}
+
+
+def kimi_k3() -> K3Config:
+    """Exactly the released Kimi K3 (read from the release config.json bundled with the package)."""
+    return K3Config.load(PRESET_DIR / "kimi_k3.json")
+
+
+def kimi_linear_48b() -> K3Config:
+    """The Kimi-Linear-48B-A3B shape: no K3 additions (softplus decay, low-rank output gate, SwiGLU,
+    plain residual, plain MoE scaled by routed_scaling_factor)."""
+    return K3Config(
+        vocab_size=163840, hidden_size=2304, num_hidden_layers=27, num_attention_heads=32,
+        intermediate_size=9216, hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=1048576,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mla_use_nope=True,
+        linear_attn_config={"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4, **_schedule(27, 4, True)},
+        num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
+        first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=2.446,
+        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    )
+
+
+def tiny(vocab_size: int = 2048) -> K3Config:
+    """Every K3 feature on, at CPU-test size: bounded KDA with full-rank gate, gated MLA with q-LoRA,
+    AttnRes with 3 blocks, LatentMoE with shared experts, SiTU-GLU, MXFP4 quantization_config."""
+    return K3Config(
+        vocab_size=vocab_size, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+        intermediate_size=384, hidden_act="situ", rms_norm_eps=1e-5, max_position_embeddings=8192,
+        attn_res_block_size=2,
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        mla_use_nope=True, mla_use_output_gate=True,
+        linear_attn_config={"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4,
+                            "use_full_rank_gate": True, "gate_lower_bound": -5.0, **_schedule(6, 3, True)},
+        num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=64,
+        routed_expert_hidden_size=64, latent_moe_use_norm=True, first_k_dense_replace=1,
+        routed_scaling_factor=1.0, quantization_config=copy.deepcopy(_MXFP4),
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+
+
+PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "tiny": tiny}
+
+
+def get_config(name_or_path: str) -> K3Config:
+    """A preset name (kimi-k3, kimi-linear-48b, tiny) or a path to a config.json / checkpoint directory."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]()
+    p = Path(name_or_path)
+    if p.exists():
+        return K3Config.load(p)
+    raise ValueError(f"unknown config {name_or_path!r}: not a preset {sorted(PRESETS)} and no such file")

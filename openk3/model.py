@@ -1,0 +1,628 @@
+"""The K3 network, top to bottom (K3_SPEC sections 1-4).
+
+Embedding -> 93 decoder layers (KDA or gated MLA token mixer, then a dense FFN or a Stable LatentMoE),
+wired by Block Attention Residuals -> final norm -> lm_head. The same code runs Kimi-Linear configs:
+every K3 addition is switched by a config field, absent = Kimi-Linear behaviour.
+
+Parameter names are the checkpoint's (HF) names without the `language_model.` prefix, except the routed
+experts, which live stacked as `experts.w1 [E, F, D]`; `checkpoint.py` holds the one name-mapping table.
+
+Precision (STYLE rule 7): the residual stream (AttnRes prefix and bank) is fp32; RMSNorm, router scores,
+KDA gates, conv, recurrent state, AttnRes mixing and the loss compute in fp32. Matmuls run in the
+parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from openk3.config import K3Config
+from openk3.ops.attnres import attnres_mix
+from openk3.ops.kda import select_kda_backend
+from openk3.ops import moe_experts
+from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
+from openk3.ops.situ import situ_glu, swiglu
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()  # fp32 statistics
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return y.to(x.dtype)
+
+
+def glu_activation(config: K3Config):
+    """SiTU-GLU when the config says "situ" (K3), else SwiGLU (Kimi-Linear)."""
+    if config.hidden_act == "situ":
+        b, lb = config.activation_situ_beta, config.activation_situ_linear_beta
+        return lambda gate, up: situ_glu(gate, up, b, lb)
+    return swiglu
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x), up(x))). The dense first layers and the (fused) shared experts."""
+
+    def __init__(self, config: K3Config, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = glu_activation(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+# ----------------------------------------------------------------------------------------- caches
+
+@dataclass
+class KDAState:
+    """Per-layer KDA decode state: the recurrent state [B, H, K, V] fp32 and the conv tail
+    [B, W-1, 3*H*K] (the last W-1 projected q|k|v inputs, before the conv)."""
+
+    recurrent: Tensor
+    conv: Tensor
+
+
+@dataclass
+class MLAState:
+    """Per-layer MLA latent cache: [B, max_len, kv_lora + rope] ([c | k_pe], normed c), filled up to `length`."""
+
+    latent: Tensor
+    length: int = 0
+
+
+@dataclass
+class K3Cache:
+    """Decode caches for a batch of equal-length sequences, one entry per layer.
+
+    The engine's paged, ragged cache builds on the same per-layer pieces."""
+
+    layers: list = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, config: K3Config, batch: int, max_len: int, device=None, dtype=torch.float32) -> "K3Cache":
+        lac = config.linear_attn_config
+        hk = lac.num_heads * lac.head_dim
+        layers = []
+        for i in range(config.num_hidden_layers):
+            if config.is_kda_layer(i):
+                layers.append(KDAState(
+                    recurrent=torch.zeros(batch, lac.num_heads, lac.head_dim, lac.head_dim, device=device),
+                    conv=torch.zeros(batch, lac.short_conv_kernel_size - 1, 3 * hk, device=device, dtype=dtype)))
+            else:
+                width = config.kv_lora_rank + config.qk_rope_head_dim
+                layers.append(MLAState(latent=torch.zeros(batch, max_len, width, device=device, dtype=dtype)))
+        return cls(layers)
+
+    @property
+    def length(self) -> int:
+        for s in self.layers:
+            if isinstance(s, MLAState):
+                return s.length
+        raise ValueError("cache has no MLA layer to read the length from")
+
+
+# ------------------------------------------------------------------------------------ token mixers
+
+def segment_positions(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Position of every packed token inside its own sequence. cu_seqlens [N+1] -> [total] int64."""
+    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1]] = 1
+    seg = starts.cumsum(0)
+    return torch.arange(total, device=cu_seqlens.device) - cu_seqlens[seg]
+
+
+def causal_conv_silu(x_BTC: Tensor, w_C1W: Tensor, pos_BT: Tensor | None, tail_BWC: Tensor | None) -> Tensor:
+    """Depthwise causal conv (width W) then SiLU, in fp32. `pos_BT` (position inside the document) stops the
+    window at document starts; `tail_BWC` holds the W-1 inputs before this chunk (decode cache)."""
+    W = w_C1W.shape[-1]
+    x = x_BTC.float()
+    T = x.shape[1]
+    if tail_BWC is not None:
+        x = torch.cat([tail_BWC.float(), x], dim=1)
+    else:
+        x = F.pad(x, (0, 0, W - 1, 0))
+    w = w_C1W.float()[:, 0, :]  # [C, W]; w[:, W-1] multiplies the current token
+    y = torch.zeros_like(x_BTC, dtype=torch.float32)
+    for s in range(W):  # s = how many tokens back
+        xs = x[:, W - 1 - s: W - 1 - s + T]
+        if pos_BT is not None and s > 0:
+            xs = xs * (pos_BT >= s).unsqueeze(-1)
+        y = y + xs * w[:, W - 1 - s]
+    return F.silu(y)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA (spec 2.1): short conv + SiLU on q, k, v; L2-normed q, k; per-channel decay g; delta rule;
+    per-head RMSNorm gated by a sigmoid output gate."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        lac = config.linear_attn_config
+        D, H, K = config.hidden_size, lac.num_heads, lac.head_dim
+        self.H, self.K, self.W = H, K, lac.short_conv_kernel_size
+        self.lower_bound = lac.gate_lower_bound
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_conv1d = nn.Conv1d(H * K, H * K, self.W, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, self.W, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * K, H * K, self.W, groups=H * K, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)  # low rank = head_dim (128 in K3 and Kimi-Linear)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        if lac.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = RMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.full_rank_gate = lac.use_full_rank_gate
+
+    def decay(self, x: Tensor) -> Tensor:
+        """Per-channel log-decay g [B, T, H, K] in fp32 (spec 2.1)."""
+        f = self.f_b_proj(self.f_a_proj(x)).float().unflatten(-1, (self.H, self.K))
+        f = f + self.dt_bias.float().view(self.H, self.K)
+        a = self.A_log.float().exp().view(self.H, 1)
+        if self.lower_bound is not None:  # K3: bounded in (lb, 0) so exp of a 16-token cumsum stays in bf16 range
+            return self.lower_bound * torch.sigmoid(a * f)
+        return -a * F.softplus(f)  # Kimi-Linear: unbounded
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, pos: Tensor | None = None,
+                state: KDAState | None = None) -> Tensor:
+        """x [B, T, D] -> [B, T, D]. With cu_seqlens (packed documents, over the flattened B*T tokens) the
+        recurrence and the conv restart at every document; with `state` they continue from it (and update it)."""
+        B, T, _ = x.shape
+        H, K = self.H, self.K
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        tail = state.conv if state is not None else None
+        qkv_act = causal_conv_silu(qkv, conv_w, pos, tail).to(x.dtype)
+        if state is not None:
+            state.conv = torch.cat([state.conv, qkv.to(state.conv.dtype)], dim=1)[:, -(self.W - 1):]
+        q, k, v = (t.unflatten(-1, (H, K)) for t in qkv_act.split(H * K, dim=-1))
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        backend = select_kda_backend(x.device)
+        kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
+        args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
+        if cu_seqlens is not None:
+            # varlen ops take one packed row: [1, B*T, ...]
+            o, _ = kda(q.flatten(0, 1)[None], k.flatten(0, 1)[None], v.flatten(0, 1)[None], g.flatten(0, 1)[None],
+                       beta.flatten(0, 1)[None], cu_seqlens=cu_seqlens, **args)
+            o = o.view(B, T, H, K)
+        else:
+            init = state.recurrent if state is not None else None
+            o, final = kda(q, k, v, g, beta, initial_state=init, output_final_state=state is not None, **args)
+            if state is not None:
+                state.recurrent = final
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o) * torch.sigmoid(gate.float()).unflatten(-1, (H, K)).to(o.dtype)
+        return self.o_proj(o.flatten(-2).to(x.dtype))
+
+
+class GatedMLA(nn.Module):
+    """Multi-head latent attention without positions (NoPE), with an optional sigmoid output gate (spec 2.2).
+
+    The "rope" part of q and k is never rotated; k_pe is one 64-wide key shared by all heads."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.H, self.nope, self.rope, self.vd = H, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.r = config.kv_lora_rank
+        self.qd = self.nope + self.rope
+        self.scale = self.qd ** -0.5
+        if config.q_lora_rank is not None:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)  # NOTE: the MLA latent norms use 1e-6
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qd, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * self.qd, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.r + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, H * (self.nope + self.vd), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(D, H * self.vd, bias=False)
+        self.o_proj = nn.Linear(H * self.vd, D, bias=False)
+        self.use_gate = config.mla_use_output_gate
+
+    def query(self, x: Tensor) -> Tensor:
+        """[B, T, D] -> [B, T, H, nope + rope]."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        return q.unflatten(-1, (self.H, self.qd))
+
+    def latent(self, x: Tensor) -> Tensor:
+        """[B, T, D] -> the cached values [B, T, r + rope] = [normed c | k_pe]."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def attend_expanded(self, q: Tensor, lat: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """Up-project the latent to full heads and run SDPA. q [B,T,H,qd], lat [B,S,r+rope] -> [B,T,H,vd]."""
+        c, k_pe = lat.split([self.r, self.rope], dim=-1)
+        kv = self.kv_b_proj(c).unflatten(-1, (self.H, self.nope + self.vd))
+        k_nope, v = kv.split([self.nope, self.vd], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.H, -1)], dim=-1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=causal and mask is None, scale=self.scale)
+        return o.transpose(1, 2)
+
+    def attend_absorbed(self, q: Tensor, lat: Tensor, mask: Tensor | None) -> Tensor:
+        """Attend in latent space (the decode form): fold kv_b's k part into q_nope, score against the latent
+        cache, then apply kv_b's v part. Same math as `attend_expanded`, computed in fp32."""
+        w = self.kv_b_proj.weight.float().view(self.H, self.nope + self.vd, self.r)
+        w_k, w_v = w[:, :self.nope], w[:, self.nope:]  # [H, nope, r], [H, vd, r]
+        q_nope, q_pe = q.float().split([self.nope, self.rope], dim=-1)
+        c, k_pe = lat.float().split([self.r, self.rope], dim=-1)
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_k)
+        scores = (torch.einsum("bthr,bsr->bhts", q_lat, c) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = scores.softmax(-1)
+        o_lat = torch.einsum("bhts,bsr->bthr", p, c)
+        return torch.einsum("bthr,hvr->bthv", o_lat, w_v).to(q.dtype)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, state: MLAState | None = None,
+                absorb: bool | None = None) -> Tensor:
+        """x [B, T, D] -> [B, T, D]. `mask` [B, 1, T, T] bool (block-diagonal causal for packed documents) or None
+        for plain causal. With `state`, the new latents are appended to the cache and attention covers it.
+        `absorb` picks the latent-space form (default: when decoding from a cache)."""
+        B, T, _ = x.shape
+        q = self.query(x)
+        lat = self.latent(x)
+        if state is not None:
+            if mask is not None:
+                raise ValueError("packed-document masks are not supported together with a decode cache")
+            P = state.length
+            if P + T > state.latent.shape[1]:
+                raise ValueError(f"MLA cache full: {P} + {T} tokens > max_len {state.latent.shape[1]}")
+            state.latent[:, P:P + T] = lat.to(state.latent.dtype)
+            state.length = P + T
+            lat = state.latent[:, :P + T].to(x.dtype)
+            # query t (absolute position P+t) sees keys 0..P+t
+            mask = (torch.arange(P + T, device=x.device)[None, :] <= P + torch.arange(T, device=x.device)[:, None])
+            mask = mask[None, None]
+            absorb = absorb if absorb is not None else True
+        if absorb:
+            if mask is None:
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+            o = self.attend_absorbed(q, lat, mask)
+        else:
+            o = self.attend_expanded(q, lat, mask, causal=True)
+        if self.use_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float()).unflatten(-1, (self.H, self.vd)).to(o.dtype)
+        return self.o_proj(o.flatten(-2))
+
+
+# ------------------------------------------------------------------------------------------- MoE
+
+class Router(nn.Module):
+    """Sigmoid router with the selection-only bias (`e_score_correction_bias`, updated by Quantile Balancing,
+    never by gradients)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.k, self.renorm, self.scale = config.num_experts_per_token, config.moe_renormalize, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (topk_idx [T, k], topk_w [T, k] fp32, scores [T, E] fp32)."""
+        s = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))  # fp32 router scores
+        idx = torch.topk(s.detach() + self.e_score_correction_bias, self.k, dim=-1).indices
+        w = s.gather(-1, idx)
+        if self.renorm:
+            w = w / w.sum(-1, keepdim=True)
+        return idx, w * self.scale, s
+
+
+class Experts(nn.Module):
+    """Routed experts stacked for grouped matmuls: w1 (gate) and w3 (up) [E, F, D], w2 (down) [E, D, F]."""
+
+    def __init__(self, n: int, dim: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, inter, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, inter))
+        self.w3 = nn.Parameter(torch.empty(n, inter, dim))
+
+
+class MoE(nn.Module):
+    """Stable LatentMoE (K3, when `routed_expert_hidden_size` is set) or the plain Kimi-Linear MoE.
+
+    LatentMoE: y = up(RMSNorm(sum_i w_i E_i(down(x)))) + Shared(x); plain: y = sum_i w_i E_i(x) + Shared(x)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D, De = config.hidden_size, config.expert_dim
+        self.gate = Router(config)
+        self.experts = Experts(config.num_experts, De, config.moe_intermediate_size)
+        self.latent = config.latent_moe
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(D, De, bias=False)
+            self.routed_expert_up_proj = nn.Linear(De, D, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(De, config.rms_norm_eps)
+        if config.num_shared_experts:
+            self.shared_experts = MLP(config, D, config.moe_intermediate_size * config.num_shared_experts)
+        self.act = glu_activation(config)
+        self.qat = False  # MXFP4 fake-quant of expert weights + MXFP8 of their inputs (set by the trainer)
+        self.record = False  # keep the last router scores / selection for balancing and metrics
+        self.last_scores: Tensor | None = None
+        self.last_idx: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        idx, w, scores = self.gate(x_TD)
+        if self.record:
+            self.last_scores, self.last_idx = scores.detach(), idx.detach()
+        z = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        if self.qat:
+            z = fake_quant_mxfp8(z)
+        e = self.experts
+        u = moe_experts(z, idx, w.to(z.dtype), e.w1, e.w2, e.w3, self.act,
+                        weight_fn=fake_quant_mxfp4 if self.qat else None)
+        if self.latent:
+            if hasattr(self, "routed_expert_norm"):
+                u = self.routed_expert_norm(u)
+            u = self.routed_expert_up_proj(u)
+        if hasattr(self, "shared_experts"):
+            u = u + self.shared_experts(x_TD)
+        return u.view(shape)
+
+
+# --------------------------------------------------------------------------------- decoder layer
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, i: int):
+        super().__init__()
+        D = config.hidden_size
+        self.i = i
+        self.is_kda = config.is_kda_layer(i)
+        self.self_attn = KimiDeltaAttention(config) if self.is_kda else GatedMLA(config)
+        if config.is_moe_layer(i):
+            self.block_sparse_moe = MoE(config)
+        else:
+            self.mlp = MLP(config, D, config.intermediate_size)
+        self.input_layernorm = RMSNorm(D, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, config.rms_norm_eps)
+        self.block_size = config.attn_res_block_size
+        self.eps = config.rms_norm_eps
+        if self.block_size is not None:
+            # HF names: self_attention_res_norm.weight [D], self_attention_res_proj.weight [1, D], same for mlp_res_*
+            self.self_attention_res_norm = RMSNormWeight(D)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNormWeight(D)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.res_weights: list[Tensor] = []  # mean AttnRes mixing weights, when the model records them
+
+    def ffn(self, x: Tensor) -> Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def mixer(self, x: Tensor, ctx: "ForwardContext", layer_cache) -> Tensor:
+        if self.is_kda:
+            return self.self_attn(x, cu_seqlens=ctx.cu_seqlens, pos=ctx.pos, state=layer_cache)
+        return self.self_attn(x, mask=ctx.mask, state=layer_cache, absorb=ctx.absorb)
+
+    def mix(self, prefix: Tensor, bank: list[Tensor], norm: "RMSNormWeight", proj: nn.Linear, record: bool) -> Tensor:
+        out = attnres_mix(bank + [prefix], norm.weight, proj.weight.view(-1), self.eps, return_weights=record)
+        if record:
+            out, w = out
+            self.res_weights.append(w.detach().float().flatten(1).mean(1))
+        return out
+
+    def forward(self, prefix: Tensor | None, bank: list[Tensor], dtype: torch.dtype, ctx: "ForwardContext",
+                layer_cache=None) -> tuple[Tensor, list[Tensor]]:
+        """Block AttnRes wiring exactly as K3_SPEC section 3 (fp32 `prefix` and `bank`); plain residual when the
+        config has no block size."""
+        if self.block_size is None:
+            h = prefix
+            h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
+            return h + self.ffn(self.post_attention_layernorm(h.to(dtype))).float(), bank
+        rec = ctx.record
+        h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, rec) if bank else prefix
+        if self.i % self.block_size == 0:
+            bank = bank + [prefix]
+            prefix = None
+        a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
+        prefix = a if prefix is None else prefix + a
+        h = self.mix(prefix, bank, self.mlp_res_norm, self.mlp_res_proj, rec)
+        m = self.ffn(self.post_attention_layernorm(h.to(dtype))).float()
+        return prefix + m, bank
+
+
+class RMSNormWeight(nn.Module):
+    """Holds only the weight of the weightless-key RMS normalisation inside an AttnRes mix (HF name `.weight`)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs to know about the batch layout, computed once per forward."""
+
+    cu_seqlens: Tensor | None = None  # packed documents over the flattened B*T tokens
+    pos: Tensor | None = None  # [B, T] position inside the document (for the KDA conv)
+    mask: Tensor | None = None  # [B, 1, T, T] block-diagonal causal mask for MLA (None = plain causal)
+    absorb: bool | None = None
+    record: bool = False
+
+
+@dataclass
+class CausalLMOutput:
+    logits: Tensor
+    loss: Tensor | None = None
+
+
+# ------------------------------------------------------------------------------------------ model
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+
+
+class K3ForCausalLM(nn.Module):
+    """The whole K3 language model. `forward(input_ids, labels)` -> CausalLMOutput(logits, loss).
+
+    `labels` are aligned targets (labels[:, t] is the token to predict after input_ids[:, t]; -100 = ignore):
+    the data pipeline shifts, because packed documents need per-position targets."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.attn_res:
+            self.output_attn_res_norm = RMSNormWeight(config.hidden_size)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        self.record_attnres = False
+        self.output_res_weights: Tensor | None = None
+        if self.lm_head.weight.device.type != "meta":
+            self.reset_parameters()
+
+    # ---- init
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Random init. NOTE: K3's own init is unpublished; this is the usual LLM scheme: normal(0, 0.02) matrices,
+        output projections scaled by 1/sqrt(2 L), unit norms, zero AttnRes queries, and KDA decay rates drawn
+        log-uniformly in [1e-3, 1e-1] per channel (as fla's Mamba-style dt init)."""
+        c = self.config
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = c.initializer_range
+
+        def normal_(t: Tensor, s: float = std) -> None:
+            t.copy_(torch.randn(t.shape, generator=gen) * s)
+
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2", "routed_expert_up_proj.weight")):
+                normal_(p, std / math.sqrt(2 * c.num_hidden_layers))
+            elif name.endswith("_res_proj.weight") or name.endswith("_res_proj"):
+                p.zero_()
+            elif p.dim() >= 2 and not name.endswith("conv1d.weight"):
+                normal_(p)
+            elif name.endswith("conv1d.weight"):
+                bound = 1 / math.sqrt(p.shape[-1])
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+            else:
+                p.fill_(1.0)  # norm weights
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                H, K = attn.H, attn.K
+                attn.A_log.copy_(torch.log(torch.rand(H, generator=gen) * 15 + 1))  # Kimi-Linear: A in [1, 16]
+                dt = torch.exp(torch.rand(H * K, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                a = attn.A_log.exp().repeat_interleave(K)
+                if attn.lower_bound is not None:
+                    # g = lb * sigmoid(a * dt_bias) = -dt at f = 0
+                    attn.dt_bias.copy_(torch.logit(dt / -attn.lower_bound) / a)
+                else:
+                    # g = -a * softplus(dt_bias) = -a * dt at f = 0 (Kimi-Linear's parameterisation)
+                    attn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.gate.e_score_correction_bias.zero_()
+
+    # ---- run
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                cache: K3Cache | None = None, absorb: bool | None = None) -> CausalLMOutput:
+        """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
+        must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update."""
+        c = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
+            bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)][0].item()
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {c.vocab_size})")
+        B, T = input_ids.shape
+        ctx = ForwardContext(absorb=absorb, record=self.record_attnres)
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("cu_seqlens (packed training batches) and a decode cache cannot be combined")
+            ctx.cu_seqlens = cu_seqlens = cu_seqlens.to(input_ids.device, torch.long)
+            row_starts = torch.arange(0, B * T, T, device=input_ids.device)
+            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T or not torch.isin(row_starts, cu_seqlens).all():
+                raise ValueError(f"cu_seqlens must start at 0, end at B*T={B * T} and contain every row start; "
+                                 f"got {cu_seqlens.tolist()[:8]}...")
+            ctx.pos = segment_positions(cu_seqlens, B * T).view(B, T)
+            seg = (ctx.pos == 0).long().view(-1).cumsum(0).view(B, T)
+            ctx.mask = ((seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool,
+                                                                           device=seg.device).tril())[:, None]
+        if cache is not None and len(cache.layers) != c.num_hidden_layers:
+            raise ValueError(f"cache has {len(cache.layers)} layers, model has {c.num_hidden_layers}")
+        for layer in self.model.layers:
+            layer.res_weights = []
+
+        dtype = self.lm_head.weight.dtype
+        prefix = self.model.embed_tokens(input_ids).float()  # fp32 residual stream
+        bank: list[Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            prefix, bank = layer(prefix, bank, dtype, ctx, cache.layers[i] if cache is not None else None)
+        if c.attn_res:
+            h = attnres_mix(bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight.view(-1),
+                            c.rms_norm_eps, return_weights=ctx.record)
+            if ctx.record:
+                h, w = h
+                self.output_res_weights = w.detach().float().flatten(1).mean(1)
+        else:
+            h = prefix
+        logits = self.lm_head(self.model.norm(h.to(dtype)))
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)  # fp32 loss
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    # ---- helpers
+    def moe_layers(self) -> list[MoE]:
+        return [l.block_sparse_moe for l in self.model.layers if hasattr(l, "block_sparse_moe")]
+
+    def set_qat(self, on: bool) -> None:
+        """MXFP4 quantisation-aware training of routed experts (and MXFP8 expert inputs), spec section 5."""
+        for m in self.moe_layers():
+            m.qat = on
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None) -> "K3ForCausalLM":
+        from openk3.checkpoint import load_pretrained
+        return load_pretrained(path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path, max_shard_bytes: int = 2 * 1024 ** 3) -> None:
+        from openk3.checkpoint import save_pretrained
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+
+# ---------------------------------------------------------------------------- parameter counting
+
+def count_params(config: K3Config) -> dict:
+    """Total and active (per token, excluding the input embedding) parameter counts, built on the meta
+    device so nothing is allocated (the release: 2.7795e12 total, 104.19e9 active)."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    inactive = model.model.embed_tokens.weight.numel()
+    for moe in model.moe_layers():
+        per_expert = sum(p[0].numel() for p in (moe.experts.w1, moe.experts.w2, moe.experts.w3))
+        inactive += (config.num_experts - config.num_experts_per_token) * per_expert
+    # The router bias is a buffer in the module but a stored tensor in the checkpoint: count it like the release.
+    bias = sum(m.gate.e_score_correction_bias.numel() for m in model.moe_layers())
+    return {"total_params": total + bias, "active_params": total + bias - inactive}

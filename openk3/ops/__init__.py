@@ -1,0 +1,49 @@
+"""Kernels next to their references. Backends are chosen here, once per (device type, dtype), with a
+reason that `openk3 info --backends` prints; call sites never try/except.
+
+- KDA: `select_kda_backend(device)` (fla on CUDA when installed, else the chunked PyTorch version;
+  env OPENK3_KDA_BACKEND=naive|torch|fla overrides).
+- MoE experts: `torch._grouped_mm` when it runs on the device and dtype, else the per-expert loop
+  (env OPENK3_MOE_BACKEND=grouped|loop overrides; asking for `grouped` where it cannot run is an error).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from openk3.ops.kda import KDABackend, select_kda_backend  # noqa: F401
+from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
+
+
+@dataclass(frozen=True)
+class MoEBackend:
+    name: str
+    reason: str
+    fn: object
+
+
+@functools.cache
+def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
+    requested = os.environ.get("OPENK3_MOE_BACKEND")
+    if requested not in (None, "", "grouped", "loop"):
+        raise ValueError(f"OPENK3_MOE_BACKEND={requested!r}: expected 'grouped' or 'loop'")
+    ok, why = grouped_mm_supported(torch.device(device_type), dtype)
+    if requested == "loop":
+        return MoEBackend("loop", "OPENK3_MOE_BACKEND=loop", moe_experts_loop)
+    if requested == "grouped" and not ok:
+        raise RuntimeError(f"OPENK3_MOE_BACKEND=grouped but grouped matmuls cannot run here: {why}")
+    if ok:
+        return MoEBackend("grouped", why, moe_experts_grouped)
+    return MoEBackend("loop", why, moe_experts_loop)
+
+
+def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+                w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
+    """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`)."""
+    backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
+    return backend.fn(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn=weight_fn)
