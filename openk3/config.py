@@ -345,7 +345,24 @@ def tiny(vocab_size: int = 2048) -> K3Config:
     )
 
 
-PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "tiny": tiny}
+def k3_1b() -> K3Config:
+    """A K3-shaped model of about 1B parameters (1.06e9 total, 0.40e9 active) with the K3 vocabulary: the size
+    used for GPU throughput and engine benchmarks. Every K3 feature on; MLA every 4th layer and the last."""
+    n = 16
+    return K3Config(
+        vocab_size=163840, hidden_size=1024, num_hidden_layers=n, num_attention_heads=8, intermediate_size=4096,
+        hidden_act="situ", attn_res_block_size=4,
+        q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mla_use_nope=True, mla_use_output_gate=True,
+        linear_attn_config={"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4,
+                            "use_full_rank_gate": True, "gate_lower_bound": -5.0, **_schedule(n, 4, True)},
+        num_experts=48, num_experts_per_token=6, num_shared_experts=2, moe_intermediate_size=512,
+        routed_expert_hidden_size=512, latent_moe_use_norm=True, first_k_dense_replace=1,
+        quantization_config=copy.deepcopy(_MXFP4),
+    )
+
+
+PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "k3-1b": k3_1b, "tiny": tiny}
 
 
 def get_config(name_or_path: str) -> K3Config:

@@ -1,0 +1,99 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from openk3.config import K3Config, get_config, kimi_k3, kimi_linear_48b, tiny
+from openk3.model import count_params
+
+RELEASE = Path(__file__).resolve().parents[2] / "shared" / "k3_release_config.json"
+BUNDLED = Path(__file__).resolve().parents[1] / "openk3" / "presets" / "kimi_k3.json"
+
+
+def release_dict() -> dict:
+    return json.loads((RELEASE if RELEASE.exists() else BUNDLED).read_text())
+
+
+def test_release_preset_is_the_release_config():
+    assert kimi_k3().to_hf_dict() == release_dict()
+
+
+def test_release_layer_schedule():
+    c = kimi_k3()
+    kda = [i for i in range(93) if c.is_kda_layer(i)]
+    mla = [i for i in range(93) if not c.is_kda_layer(i)]
+    assert len(kda) == 69 and len(mla) == 24
+    assert mla == [i for i in range(3, 92, 4)] + [92]
+    assert not c.is_kda_layer(91) and not c.is_kda_layer(92)
+    assert not c.is_moe_layer(0) and all(c.is_moe_layer(i) for i in range(1, 93))
+
+
+def test_release_parameter_counts():
+    counts = count_params(kimi_k3())
+    assert round(counts["total_params"] / 1e12, 4) == 2.7795
+    assert round(counts["active_params"] / 1e9, 2) == 104.19
+
+
+def test_kimi_linear_preset_has_no_k3_fields():
+    c = kimi_linear_48b()
+    d = c.to_dict()
+    for k in ("attn_res_block_size", "routed_expert_hidden_size", "quantization_config"):
+        assert k not in d
+    assert "use_full_rank_gate" not in d["linear_attn_config"]
+    assert "gate_lower_bound" not in d["linear_attn_config"]
+    assert c.hidden_act == "silu" and c.routed_scaling_factor == 2.446
+    counts = count_params(c)
+    assert 47e9 < counts["total_params"] < 50e9 and 2.5e9 < counts["active_params"] < 3.5e9
+
+
+def test_tiny_has_every_k3_feature():
+    c = tiny()
+    assert c.attn_res and c.num_hidden_layers // c.attn_res_block_size >= 2
+    assert c.latent_moe and c.latent_moe_use_norm and c.num_shared_experts >= 1
+    assert c.mxfp4_experts and c.hidden_act == "situ" and c.mla_use_output_gate
+    assert c.linear_attn_config.gate_lower_bound == -5.0 and c.linear_attn_config.use_full_rank_gate
+    assert any(c.is_kda_layer(i) for i in range(c.num_hidden_layers))
+    assert any(not c.is_kda_layer(i) for i in range(c.num_hidden_layers))
+
+
+@pytest.mark.parametrize("make", [kimi_k3, kimi_linear_48b, tiny])
+def test_json_round_trip(tmp_path, make):
+    c = make()
+    c.save(tmp_path)
+    back = K3Config.load(tmp_path / "config.json")
+    assert back.to_hf_dict() == c.to_hf_dict()
+    assert get_config(str(tmp_path)).to_dict() == c.to_dict()
+
+
+def test_loads_bare_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(release_dict()["text_config"]))
+    c = K3Config.load(tmp_path)
+    assert c.hidden_size == 7168 and c.extra["top"] is None
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"linear_attn_config": {"kda_layers": [1, 2, 3, 4, 5], "full_attn_layers": [3, 6]}}, "both"),
+    ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3, 6]}}, "neither"),
+    ({"linear_attn_config": {"kda_layers": [0, 1, 2, 4, 5], "full_attn_layers": [3, 6]}}, "1-indexed"),
+    ({"num_experts_per_token": 9}, "num_experts_per_token=9"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"routed_expert_hidden_size": 48}, "routed_expert_hidden_size=48"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"hidden_size": 0}, "hidden_size=0"),
+    ({"linear_attn_config": {"gate_lower_bound": 1.0}}, "gate_lower_bound=1.0"),
+    ({"eos_token_id": 5000}, "eos_token_id=5000"),
+])
+def test_validation_names_the_bad_field(change, field):
+    with pytest.raises(ValueError, match="invalid config") as e:
+        tiny().replace(**change)
+    assert field in str(e.value)
+
+
+def test_unknown_preset_and_bad_json(tmp_path):
+    with pytest.raises(ValueError, match="no-such-preset"):
+        get_config("no-such-preset")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        K3Config.load(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        K3Config.load(tmp_path / "missing")

@@ -1,0 +1,200 @@
+"""The K3 network: wiring, MLA forms, caches, packed documents, both config families."""
+
+import pytest
+import torch
+
+from openk3.config import tiny
+from openk3.model import GatedMLA, K3Cache, K3ForCausalLM, segment_positions
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def kimi_linear_tiny():
+    """A tiny config of the Kimi-Linear family: no K3 field set."""
+    return tiny().replace(
+        hidden_act="silu", attn_res_block_size=None, routed_expert_hidden_size=None, latent_moe_use_norm=False,
+        q_lora_rank=None, mla_use_output_gate=False, routed_scaling_factor=2.446, quantization_config=None,
+        linear_attn_config={"use_full_rank_gate": False, "gate_lower_bound": None})
+
+
+def randomise_attnres(model: K3ForCausalLM, seed: int = 0) -> None:
+    """Zero-initialised pseudo-queries give a uniform average; draw them so the wiring test sees real softmaxes."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_res_proj" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif "_res_norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+
+
+def test_attnres_wiring_by_hand():
+    """3 layers, block size 2, against the spec's pseudo-code written out with explicit sources."""
+    c = tiny().replace(num_hidden_layers=3, attn_res_block_size=2,
+                       linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2]})
+    torch.manual_seed(0)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    ids = torch.randint(0, c.vocab_size, (2, 9))
+    eps = c.rms_norm_eps
+
+    def mix(sources, norm_w, proj_w):
+        V = torch.stack([s.double() for s in sources])  # [S, B, T, D]
+        key = V / torch.sqrt((V ** 2).mean(-1, keepdim=True) + eps)
+        logit = (key * norm_w.double() * proj_w.double().view(-1)).sum(-1)
+        w = torch.softmax(logit, dim=0)
+        return (w.unsqueeze(-1) * V).sum(0).float()
+
+    L = model.model.layers
+
+    def attn(i, h):
+        return L[i].self_attn(L[i].input_layernorm(h)).float()
+
+    def ffn(i, h):
+        return L[i].ffn(L[i].post_attention_layernorm(h)).float()
+
+    def res(i, kind):
+        n = getattr(L[i], f"{kind}_res_norm").weight
+        p = getattr(L[i], f"{kind}_res_proj").weight
+        return n, p
+
+    with torch.no_grad():
+        e = model.model.embed_tokens(ids).float()
+        # layer 0: bank empty -> h = e; block start: bank = [e]
+        a0 = attn(0, e)
+        m0 = ffn(0, mix([e, a0], *res(0, "mlp")))
+        p1 = a0 + m0
+        # layer 1: same block
+        a1 = attn(1, mix([e, p1], *res(1, "self_attention")))
+        p1 = p1 + a1
+        m1 = ffn(1, mix([e, p1], *res(1, "mlp")))
+        p1 = p1 + m1
+        # layer 2: h mixes [e, p1], then p1 is banked and a new block starts
+        a2 = attn(2, mix([e, p1], *res(2, "self_attention")))
+        m2 = ffn(2, mix([e, p1, a2], *res(2, "mlp")))
+        p2 = a2 + m2
+        h = mix([e, p1, p2], model.output_attn_res_norm.weight, model.output_attn_res_proj.weight)
+        want = model.lm_head(model.model.norm(h))
+        got = model(ids).logits
+    assert rel_err(got, want) < 1e-5
+
+
+def test_plain_residual_when_no_block_size():
+    c = kimi_linear_tiny().replace(num_hidden_layers=2, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2]})
+    torch.manual_seed(1)
+    model = K3ForCausalLM(c)
+    ids = torch.randint(0, c.vocab_size, (1, 7))
+    L = model.model.layers
+    with torch.no_grad():
+        h = model.model.embed_tokens(ids)
+        for layer in L:
+            h = h + layer.self_attn(layer.input_layernorm(h))
+            h = h + layer.ffn(layer.post_attention_layernorm(h))
+        want = model.lm_head(model.model.norm(h))
+        assert rel_err(model(ids).logits, want) < 1e-5
+    assert not hasattr(model, "output_attn_res_norm")
+
+
+@pytest.mark.parametrize("q_lora, gate", [(64, True), (None, False)])
+def test_absorbed_mla_equals_expanded(q_lora, gate):
+    c = tiny().replace(q_lora_rank=q_lora, mla_use_output_gate=gate)
+    torch.manual_seed(2)
+    mla = GatedMLA(c)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 37, c.hidden_size)
+    with torch.no_grad():
+        assert rel_err(mla(x, absorb=True), mla(x, absorb=False)) < 1e-5
+        # with a packed-document mask too
+        pos = segment_positions(torch.tensor([0, 10, 37, 50, 74]), 74).view(2, 37)
+        seg = (pos == 0).long().view(-1).cumsum(0).view(2, 37)
+        mask = ((seg[:, :, None] == seg[:, None, :]) & torch.ones(37, 37, dtype=torch.bool).tril())[:, None]
+        assert rel_err(mla(x, mask=mask, absorb=True), mla(x, mask=mask, absorb=False)) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_cached_decode_equals_full_forward(family):
+    c = tiny() if family == "k3" else kimi_linear_tiny()
+    torch.manual_seed(3)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    ids = torch.randint(0, c.vocab_size, (2, 21))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = K3Cache.empty(c, batch=2, max_len=32)
+        parts = [model(ids[:, :13], cache=cache).logits]  # prefill
+        for t in range(13, 21):  # one token at a time (recurrent KDA, absorbed MLA)
+            parts.append(model(ids[:, t:t + 1], cache=cache).logits)
+    assert cache.length == 21
+    assert rel_err(torch.cat(parts, dim=1), full) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_packed_documents_equal_separate_forwards(family):
+    c = tiny() if family == "k3" else kimi_linear_tiny()
+    torch.manual_seed(4)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    ids = torch.randint(0, c.vocab_size, (2, 24))
+    cu = torch.tensor([0, 5, 24, 31, 48])  # row 0: docs [0,5) [5,24); row 1: [0,7) [7,24)
+    with torch.no_grad():
+        packed = model(ids, cu_seqlens=cu).logits.view(48, -1)
+        flat = ids.view(-1)
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            alone = model(flat[s:e][None]).logits[0]
+            assert rel_err(packed[s:e], alone) < 1e-4
+
+
+def test_backward_reaches_every_parameter_but_not_the_router_bias():
+    c = tiny()
+    torch.manual_seed(5)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    ids = torch.randint(0, c.vocab_size, (2, 16))
+    out = model(ids, labels=torch.roll(ids, -1, 1))
+    out.loss.backward()
+    # the router's selection bias is a buffer: selection only, no gradient
+    assert all(not b.requires_grad for n, b in model.named_buffers() if "e_score_correction_bias" in n)
+    # with 2-of-8 routing on 32 tokens some experts may stay idle; everything else must get a gradient, except
+    # layer 0's self_attention_res_*: the bank is empty there, so the spec never mixes (the release still stores them)
+    unused = ("model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight")
+    missing = [n for n, p in model.named_parameters() if p.grad is None and "experts.w" not in n and n not in unused]
+    assert not missing, missing
+    assert torch.isfinite(out.loss)
+
+
+def test_router_bias_changes_selection_not_weights():
+    c = tiny()
+    torch.manual_seed(6)
+    model = K3ForCausalLM(c)
+    moe = model.moe_layers()[0]
+    x = torch.randn(10, c.hidden_size)
+    idx0, w0, s0 = moe.gate(x)
+    bias = torch.zeros(c.num_experts)
+    bias[3] = 10.0  # expert 3 now always selected
+    moe.gate.e_score_correction_bias.copy_(bias)
+    idx1, w1, s1 = moe.gate(x)
+    assert (idx1 == 3).any(-1).all()
+    assert torch.equal(s0, s1)
+    # weights are the raw scores of the selected experts, renormalised: the bias never enters them
+    want = s1.gather(-1, idx1)
+    assert torch.allclose(w1, want / want.sum(-1, keepdim=True) * c.routed_scaling_factor)
+
+
+def test_bad_inputs_name_the_value():
+    model = K3ForCausalLM(tiny())
+    with pytest.raises(ValueError, match="token id 5000"):
+        model(torch.tensor([[1, 5000]]))
+    with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
+        model(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(torch.tensor([[1, 2, 3, 4]]), cu_seqlens=torch.tensor([0, 3]))
+
+
+def test_meta_build_allocates_nothing():
+    from openk3.config import kimi_k3
+    with torch.device("meta"):
+        model = K3ForCausalLM(kimi_k3())
+    assert all(p.device.type == "meta" for p in model.parameters())
