@@ -1,0 +1,371 @@
+"""Optimisation for openk3 (spec section 5): Muon with Per-Head Muon, AdamW, the schedule, QK-Clip.
+
+Which optimiser trains which parameter is decided by name and shape in `assign_param_groups`:
+
+    group              optimiser  decay  parameters
+    muon               Muon       yes    every other 2-D hidden matrix, incl. the router gate [E, D],
+                                         and each expert's slice of the stacked experts.w1/w2/w3
+    muon_kda_heads     Muon       yes    KDA q_proj, k_proj, v_proj, one block per head   [inferred]
+    muon_mla_q_heads   Muon       yes    MLA q_b_proj (q_proj without q-LoRA), per head   [inferred]
+    muon_mla_kv_heads  Muon       yes    MLA kv_b_proj, one [k_nope | v] block per head   [inferred]
+    adamw_decay        AdamW      yes    embed_tokens, lm_head
+    adamw_no_decay     AdamW      no     norms, biases, A_log, dt_bias, conv1d filters, AttnRes
+                                         vectors (*_res_norm, *_res_proj), anything 1-D
+
+Choices (the spec names the two sets but not every border case):
+- The router gate weight is a 2-D matrix acting on the hidden state, so Muon trains it, as Moonlight
+  and K2 train every hidden matrix. The spec's AdamW list names gates' *biases*; the router's
+  e_score_correction_bias is a buffer set by balance.py, not a parameter.
+- Weight decay 0.1 on matrices (Muon groups, embeddings, lm_head); 0 on the AdamW vectors: decay
+  would pull norm gains towards 0 instead of their init 1, and drag A_log / dt_bias, which set the
+  KDA decay rates. Depthwise conv filters count as vectors here (4 taps per channel).
+- Per-Head Muon [inferred]: a head block is the head's rows of the projection (head h owns rows
+  [h dh, (h+1) dh)); for kv_b_proj that block holds the head's k_nope and v rows together. Other
+  2-D matrices with head-shaped rows (f_b_proj, g_proj, b_proj) stay whole-matrix Muon.
+- Muon and AdamW share one learning rate: the 0.2 sqrt(max(rows, cols)) scale makes Muon's update
+  RMS match AdamW's (Moonlight, "Muon is Scalable for LLM Training"), which is its point.
+
+Precision: parameters, gradients, momentum and AdamW moments stay in the parameter dtype (fp32
+masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and torch.optim.Muon do.
+
+NOTE: Muon needs each whole matrix (or whole head block / expert slice) on one device. A data
+parallel wrapper that shards a matrix by rows must gather it before `step` or give whole matrices
+to ranks; that is parallel.py's business, not this file's.
+"""
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+
+# --------------------------------------------------------------------------------------------
+# Muon
+# --------------------------------------------------------------------------------------------
+
+def orthogonalize(m_BRC: Tensor, steps: int = NS_STEPS) -> Tensor:
+    """Approximate U V^T for each matrix of a batch (U S V^T its SVD), in bf16: [B, R, C] -> [B, R, C].
+
+    Quintic Newton-Schulz X <- a X + (b X X^T + c (X X^T)^2) X with (a, b, c) = NS_COEFFICIENTS,
+    started from X / ||X||_F (so every singular value is <= 1). The coefficients trade exact
+    convergence for speed: after 5 steps the singular values sit roughly in [0.68, 1.14] (the
+    tests see that on random matrices), which Muon tolerates. Wide orientation (R <= C) keeps the Gram matrix X X^T the small one.
+    """
+    a, b, c = NS_COEFFICIENTS
+    x_BRC = m_BRC.bfloat16()
+    tall = x_BRC.shape[-2] > x_BRC.shape[-1]
+    if tall:
+        x_BRC = x_BRC.mT
+    x_BRC = x_BRC / x_BRC.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram_BRR = x_BRC @ x_BRC.mT
+        poly_BRR = torch.baddbmm(gram_BRR, gram_BRR, gram_BRR, beta=b, alpha=c)
+        x_BRC = torch.baddbmm(x_BRC, poly_BRR, x_BRC, beta=a)
+    return x_BRC.mT if tall else x_BRC
+
+
+def rms_match_scale(rows: int, cols: int) -> float:
+    """0.2 sqrt(max(rows, cols)): an orthogonal [rows, cols] matrix has RMS 1/sqrt(max(rows, cols)),
+    so this gives Muon's update the RMS 0.2 of a typical AdamW update (Moonlight's rule)."""
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def matrix_blocks(x: Tensor, head_dim: int | None) -> Tensor:
+    """View a Muon parameter (or its gradient) as the batch [B, R, C] of matrices Muon orthogonalises.
+
+    2-D [R, C], head_dim None  -> [1, R, C]          the whole matrix
+    2-D [H*dh, C], head_dim dh -> [H, dh, C]         Per-Head Muon: head h owns rows [h dh, (h+1) dh)
+    3-D [E, F, D]              -> [E, F, D]          stacked experts: each expert's slice
+    """
+    if x.ndim == 3 and head_dim is None:
+        return x
+    if x.ndim != 2:
+        raise ValueError(f"Muon trains 2-D matrices or 3-D stacks of them (without head_dim), "
+                         f"got shape {tuple(x.shape)} with head_dim={head_dim}")
+    if head_dim is None:
+        return x[None]
+    rows, cols = x.shape
+    if head_dim <= 0 or rows % head_dim:
+        raise ValueError(f"head_dim={head_dim} must divide the {rows} rows of a per-head matrix "
+                         f"of shape {tuple(x.shape)}")
+    return x.view(rows // head_dim, head_dim, cols)
+
+
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's update, applied to each matrix of a batch (expert slices, head blocks).
+
+    Per parameter, with momentum mu, learning rate lr and weight decay wd (a group setting each):
+
+        buf    <- mu buf + (1 - mu) grad                    momentum as an EMA (torch's form)
+        update =  (1 - mu) grad + mu buf                    Nesterov
+        O      =  orthogonalize(matrix_blocks(update))      per block, see `matrix_blocks`
+        p      <- (1 - lr wd) p - lr 0.2 sqrt(max(R, C)) O  R, C: the shape of one block
+
+    For a plain 2-D matrix this equals torch.optim.Muon(adjust_lr_fn="match_rms_adamw", nesterov=True)
+    step for step. What K3 adds is the group key `head_dim` (Per-Head Muon: each head's row block
+    is orthogonalised on its own, so heads with large gradients do not dominate the update of the
+    others) and 3-D expert stacks. [inferred] A head block's scale uses the block's own shape,
+    0.2 sqrt(max(dh, C)): that keeps the update RMS at 0.2 in every block, as for whole matrices.
+    The EMA form of momentum differs from Moonlight's mu buf + grad only by the factor (1 - mu),
+    which orthogonalisation removes.
+    """
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.1, momentum: float = 0.95,
+                 head_dim: int | None = None):
+        if lr < 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "head_dim": head_dim}
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                matrix_blocks(p, group["head_dim"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum)
+                o_BRC = orthogonalize(matrix_blocks(update, group["head_dim"]))
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(o_BRC.reshape(p.shape), alpha=-lr * rms_match_scale(*o_BRC.shape[-2:]))
+        return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter groups and the combined optimiser
+# --------------------------------------------------------------------------------------------
+
+# Per-Head Muon roles; `build_optimizer(head_dims=...)` gives the rows each head owns in each.
+PER_HEAD_ROLES = {
+    "kda": "KDA q/k/v_proj: head_dim (128 for K3)",
+    "mla_q": "MLA q_b_proj or q_proj: qk_nope_head_dim + qk_rope_head_dim (192 for K3)",
+    "mla_kv": "MLA kv_b_proj: qk_nope_head_dim + v_head_dim (256 for K3)",
+}
+_HEAD_GROUPS = {f"muon_{role}_heads": role for role in PER_HEAD_ROLES}
+_EXPERT_STACK = re.compile(r"(^|\.)experts\.w[123]$")
+
+
+def _per_head_role(name: str, names: set[str]) -> str | None:
+    """Which Per-Head Muon role a 2-D weight plays, from its name; None if it is no Q/K/V projection.
+
+    NOTE: KDA and MLA-without-q-LoRA both call their query weight `self_attn.q_proj`; an MLA layer
+    is recognised by its sibling `kv_b_proj`.
+    """
+    module, _, param = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    if param != "weight":
+        return None
+    if proj == "q_b_proj":
+        return "mla_q"
+    if proj == "kv_b_proj":
+        return "mla_kv"
+    if proj == "q_proj":
+        return "mla_q" if f"{parent}.kv_b_proj.weight" in names else "kda"
+    if proj in ("k_proj", "v_proj"):
+        return "kda"
+    return None
+
+
+def param_group_name(name: str, shape: torch.Size, names: set[str], per_head: bool) -> str:
+    """The group (see the module docstring's table) of the parameter `name` of this shape.
+
+    names: every trainable parameter name of the model (to tell MLA's q_proj from KDA's).
+    """
+    module, _, param = name.rpartition(".")
+    module_leaf = module.rpartition(".")[2]
+    if module_leaf in ("embed_tokens", "lm_head"):
+        return "adamw_decay"
+    if (len(shape) < 2 or param in ("bias", "A_log", "dt_bias") or module_leaf.endswith("norm")
+            or module_leaf.endswith(("_res_norm", "_res_proj")) or module_leaf.endswith("conv1d")):
+        return "adamw_no_decay"
+    if len(shape) == 3 and _EXPERT_STACK.search(name):
+        return "muon"
+    if len(shape) == 2:
+        role = _per_head_role(name, names) if per_head else None
+        return "muon" if role is None else f"muon_{role}_heads"
+    raise ValueError(f"no optimiser rule for parameter {name} of shape {tuple(shape)}: only 2-D "
+                     f"matrices, experts.w1/w2/w3 stacks and the AdamW names have one")
+
+
+def assign_param_groups(model: nn.Module,
+                        per_head: bool = True) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """{group name: [(parameter name, parameter), ...]} for every trainable parameter of `model`."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = {n for n, _ in named}
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named:
+        groups.setdefault(param_group_name(name, p.shape, names, per_head), []).append((name, p))
+    return groups
+
+
+class MuonAdamW:
+    """The one optimiser object the training loop holds: a Muon and an AdamW over disjoint groups.
+
+    param_groups lists every group of both (Muon's first); each carries "name" and "base_lr", and
+    `set_lr_scale(f)` sets lr = base_lr * f in all of them (the schedule's multiplier).
+    `state_dict()` / `load_state_dict()` round-trip both optimisers exactly, and refuse a state whose
+    parameter names differ from this model's. `optimizers` is the tuple torch.distributed.checkpoint
+    (get_optimizer_state_dict) accepts.
+    """
+
+    def __init__(self, muon: Muon | None, adamw: torch.optim.AdamW | None):
+        self._by_name = {name: opt for name, opt in (("muon", muon), ("adamw", adamw))
+                         if opt is not None}
+        if not self._by_name:
+            raise ValueError("MuonAdamW needs at least one of muon and adamw")
+        self.optimizers = tuple(self._by_name.values())
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def set_lr_scale(self, multiplier: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = group["base_lr"] * multiplier
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self._by_name.items()}
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        if set(state_dict) != set(self._by_name):
+            raise ValueError(f"optimiser state holds {sorted(state_dict)}, this optimiser is "
+                             f"{sorted(self._by_name)}")
+        for name, opt in self._by_name.items():
+            saved = [g["param_names"] for g in state_dict[name]["param_groups"]]
+            current = [g["param_names"] for g in opt.param_groups]
+            if saved != current:
+                raise ValueError(f"{name} state was saved for parameters {saved}, "
+                                 f"this model has {current}")
+            opt.load_state_dict(state_dict[name])
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    muon_momentum: float = 0.95, per_head: bool = True,
+                    head_dims: Mapping[str, int] | None = None) -> MuonAdamW:
+    """Muon + AdamW over `model`'s trainable parameters, grouped as in the module docstring.
+
+    head_dims: rows per head for each Per-Head Muon role present in the model, keys from
+    PER_HEAD_ROLES, e.g. for K3 {"kda": 128, "mla_q": 192, "mla_kv": 256}. Needed when per_head.
+    Every group starts at lr (its "base_lr"); AdamW uses betas and eps.
+    """
+    groups = assign_param_groups(model, per_head)
+    muon_groups, adamw_groups = [], []
+    for group_name, named in groups.items():
+        group = {"params": named, "name": group_name, "lr": lr, "base_lr": lr}
+        if group_name == "muon":
+            muon_groups.append({**group, "weight_decay": weight_decay, "head_dim": None})
+        elif group_name in _HEAD_GROUPS:
+            role = _HEAD_GROUPS[group_name]
+            if head_dims is None or role not in head_dims:
+                raise ValueError(f"per_head=True needs head_dims[{role!r}] ({PER_HEAD_ROLES[role]}) "
+                                 f"for {named[0][0]}, got head_dims={head_dims}")
+            muon_groups.append({**group, "weight_decay": weight_decay, "head_dim": head_dims[role]})
+        else:
+            decay = weight_decay if group_name == "adamw_decay" else 0.0
+            adamw_groups.append({**group, "weight_decay": decay})
+    muon = Muon(muon_groups, lr=lr, momentum=muon_momentum) if muon_groups else None
+    adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps) if adamw_groups else None
+    return MuonAdamW(muon, adamw)
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule
+# --------------------------------------------------------------------------------------------
+
+def cosine_schedule(step: int, total_steps: int, warmup_frac: float = 0.01,
+                    min_ratio: float = 0.1) -> float:
+    """Learning-rate multiplier for the 0-based `step`: linear warmup, then cosine down to min_ratio.
+
+    warmup = max(1, round(warmup_frac * total_steps)) steps, step s < warmup gets (s + 1) / warmup
+    (so the first step already trains); then the cosine runs from 1 at s = warmup to min_ratio at
+    s = total_steps - 1, the last step, and stays there after.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if not 0 <= warmup_frac < 1:
+        raise ValueError(f"warmup_frac must be in [0, 1), got {warmup_frac}")
+    if not 0 <= min_ratio <= 1:
+        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+    warmup = max(1, round(warmup_frac * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------------------------
+# QK-Clip
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def qk_clip_mla_(q_weight: Tensor, kv_b_weight: Tensor, max_logit_H: Tensor, tau: float, *,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> Tensor:
+    """QK-Clip (Kimi K2, "MuonClip") for one MLA layer, in place; returns gamma [H] fp32.
+
+    q_weight:    q_b_proj (or q_proj) weight [H * (nope + rope), in]; head h's rows are
+                 [q_nope (nope rows) | q_pe (rope rows)]
+    kv_b_weight: kv_b_proj weight [H * (nope + v), kv_lora]; head h's rows are [k_nope | v]
+    max_logit_H: each head's largest pre-softmax logit of the step (after the 1/sqrt(192) scale),
+                 already max-reduced over all ranks
+    tau:         the threshold (K2 used 100; K3's is unpublished)
+
+    For each head with max_logit > tau, gamma = tau / max_logit (else 1), and as K2 describes it
+    for MLA: q_nope and k_nope rows are scaled by sqrt(gamma), q_pe rows by gamma, and the shared
+    k_pe (rows [kv_lora:] of kv_a_proj_with_mqa) is left alone, because scaling it would touch
+    every head. Every logit of head h, q_nope.k_nope + q_pe.k_pe, is then multiplied by gamma_h,
+    so its max lands exactly on tau. v rows are untouched. K2 applies this after the optimizer
+    step and leaves the Muon momentum as it is.
+    KDA layers need none of this: their q and k are L2-normalised, which bounds the logits.
+    """
+    H = max_logit_H.numel()
+    qk_dim, kv_dim = qk_nope_head_dim + qk_rope_head_dim, qk_nope_head_dim + v_head_dim
+    if q_weight.ndim != 2 or q_weight.shape[0] != H * qk_dim:
+        raise ValueError(f"q_weight must be [H * (nope + rope), in] = [{H * qk_dim}, in] for {H} heads, "
+                         f"got {tuple(q_weight.shape)}")
+    if kv_b_weight.ndim != 2 or kv_b_weight.shape[0] != H * kv_dim:
+        raise ValueError(f"kv_b_weight must be [H * (nope + v), kv_lora] = [{H * kv_dim}, kv_lora] "
+                         f"for {H} heads, got {tuple(kv_b_weight.shape)}")
+    if tau <= 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    max_logit_H = max_logit_H.float().flatten()
+    gamma_H = torch.where(max_logit_H > tau, tau / max_logit_H, torch.ones_like(max_logit_H))
+    sqrt_gamma_H11 = gamma_H.sqrt().view(H, 1, 1)
+    q_HDI = q_weight.view(H, qk_dim, -1)
+    q_HDI[:, :qk_nope_head_dim].mul_(sqrt_gamma_H11.to(q_weight.dtype))
+    q_HDI[:, qk_nope_head_dim:].mul_(gamma_H.view(H, 1, 1).to(q_weight.dtype))
+    kv_HDL = kv_b_weight.view(H, kv_dim, -1)
+    kv_HDL[:, :qk_nope_head_dim].mul_(sqrt_gamma_H11.to(kv_b_weight.dtype))
+    return gamma_H
