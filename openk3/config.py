@@ -96,7 +96,8 @@ class K3Config:
         return (i + 1) in self.linear_attn_config.kda_layers
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_k_dense_replace and (i - self.first_k_dense_replace) % self.moe_layer_freq == 0
+        # HF Kimi-Linear's rule (0-indexed): dense before first_k_dense_replace, then MoE every moe_layer_freq layers
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     @property
     def latent_moe(self) -> bool:
