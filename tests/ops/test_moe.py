@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
+from openk3.ops.mxfp import fake_quant_mxfp4
+from openk3.ops.situ import situ_glu, swiglu
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def random_moe(T: int, D: int, F: int, E: int, K: int, used_experts: list[int], dtype=torch.float32, seed: int = 0):
+    """Random tokens, expert weights and routing; only ``used_experts`` receive tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    w1 = (torch.randn(E, F, D, generator=gen) / D**0.5).to(dtype)
+    w3 = (torch.randn(E, F, D, generator=gen) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, generator=gen) / F**0.5).to(dtype)
+    scores = torch.rand(T, len(used_experts), generator=gen)
+    topk_w, slot = scores.topk(K, dim=-1)
+    topk_idx = torch.tensor(used_experts)[slot]
+    topk_w = topk_w / topk_w.sum(-1, keepdim=True)
+    return x, topk_idx, topk_w, w1, w2, w3
+
+
+def hand_computed(x, topk_idx, topk_w, w1, w2, w3, act):
+    """Per token, per chosen expert, in float64."""
+    x, w1, w2, w3, topk_w = (t.double() for t in (x, w1, w2, w3, topk_w))
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            h = act(w1[e] @ x[t], w3[e] @ x[t])
+            y[t] += topk_w[t, k] * (w2[e] @ h)
+    return y
+
+
+@pytest.mark.parametrize("act", [situ_glu, swiglu])
+def test_loop_matches_per_token_hand_computation(act):
+    inputs = random_moe(T=7, D=12, F=20, E=5, K=2, used_experts=[0, 2, 3, 4])
+    x = inputs[0] * 3  # push the activations out of their near-linear range
+    y = moe_experts_loop(x, *inputs[1:], act)
+    assert y.dtype == torch.float32 and y.shape == (7, 12)
+    assert rel_err(y, hand_computed(x, *inputs[1:], act)) < 1e-6
+
+
+CASES = [
+    # T, E, K, used experts (the others get no tokens, including ones in the middle and at the end)
+    (37, 6, 2, [0, 1, 3, 4]),
+    (1, 5, 3, [1, 2, 4]),
+    (50, 4, 1, [0, 1, 2, 3]),
+]
+
+
+@pytest.mark.parametrize("T, E, K, used", CASES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_grouped_matches_loop_forward_and_backward(T, E, K, used, dtype, tol):
+    D, F = 16, 24
+    inputs = random_moe(T, D, F, E, K, used, dtype=dtype, seed=T)
+    grad_y = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for fn in (moe_experts_loop, moe_experts_grouped):
+        leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        y = fn(*leaves, situ_glu)
+        y.backward(grad_y)
+        results.append((y, [t.grad for t in leaves if t.is_floating_point()]))
+    (y_loop, grads_loop), (y_grouped, grads_grouped) = results
+    assert y_grouped.dtype == dtype
+    assert rel_err(y_grouped, y_loop) < tol
+    names = ["x", "topk_w", "w1", "w2", "w3"]
+    for name, g_grouped, g_loop in zip(names, grads_grouped, grads_loop):
+        assert rel_err(g_grouped, g_loop) < tol, name
+    # Experts that received no tokens get exactly zero weight gradient from both.
+    unused = [e for e in range(E) if e not in used]
+    for g in grads_grouped[2:]:
+        assert (g[unused] == 0).all() and (g[used] != 0).any()
+
+
+def test_weight_fn_is_applied_to_all_three_weights():
+    x, topk_idx, topk_w, w1, w2, w3 = random_moe(T=19, D=32, F=64, E=4, K=2, used_experts=[0, 1, 3])
+    y_loop = moe_experts_loop(x, topk_idx, topk_w, w1, w2, w3, swiglu, weight_fn=fake_quant_mxfp4)
+    y_grouped = moe_experts_grouped(x, topk_idx, topk_w, w1, w2, w3, swiglu, weight_fn=fake_quant_mxfp4)
+    quantized = [fake_quant_mxfp4(w) for w in (w1, w2, w3)]
+    y_prequantized = moe_experts_loop(x, topk_idx, topk_w, *quantized, swiglu)
+    assert rel_err(y_loop, y_prequantized) < 1e-6
+    assert rel_err(y_grouped, y_prequantized) < 1e-5
+    assert rel_err(y_loop, moe_experts_loop(x, topk_idx, topk_w, w1, w2, w3, swiglu)) > 1e-2
+
+
+def test_grouped_mm_support_is_reported_not_silently_replaced():
+    assert grouped_mm_supported("cpu", torch.float32)[0]
+    assert grouped_mm_supported("cpu", torch.bfloat16)[0]
+    ok, reason = grouped_mm_supported("cpu", torch.float64)
+    assert not ok and "torch.float64" in reason
+    inputs = random_moe(T=5, D=8, F=8, E=3, K=2, used_experts=[0, 1, 2], dtype=torch.float64)
+    with pytest.raises(ValueError, match="torch.float64.*moe_experts_loop"):
+        moe_experts_grouped(*inputs, swiglu)
+    # bf16 needs D and F to be multiples of 8 (16-byte strides).
+    inputs = random_moe(T=5, D=16, F=12, E=3, K=2, used_experts=[0, 1, 2], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 8.*F=12"):
+        moe_experts_grouped(*inputs, swiglu)
+
+
+def test_bad_inputs_raise():
+    x, topk_idx, topk_w, w1, w2, w3 = random_moe(T=5, D=8, F=12, E=3, K=2, used_experts=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"w2 must be \[3, 8, 12\]"):
+        moe_experts_loop(x, topk_idx, topk_w, w1, w2.transpose(1, 2), w3, swiglu)
+    with pytest.raises(ValueError, match="ids in 0..2, got min 0, max 3"):
+        moe_experts_loop(x, torch.where(topk_idx == 2, 3, topk_idx), topk_w, w1, w2, w3, swiglu)
+    with pytest.raises(ValueError, match="share one dtype"):
+        moe_experts_grouped(x, topk_idx, topk_w, w1.bfloat16(), w2, w3, swiglu)
