@@ -68,18 +68,42 @@ class MLP(nn.Module):
 @dataclass
 class KDAState:
     """Per-layer KDA decode state: the recurrent state [B, H, K, V] fp32 and the conv tail
-    [B, W-1, 3*H*K] (the last W-1 projected q|k|v inputs, before the conv)."""
+    [B, W-1, 3*H*K] (the last W-1 projected q|k|v inputs, before the conv).
+
+    With `keep_inputs` set, each forward also leaves its per-token inputs in `inputs`: "qkv" (the raw projections
+    [B, T, 3*H*K] that feed the conv tail), "k" [B, T, H, K] and "v" [B, T, H, V] (after conv and SiLU), "g"
+    [B, T, H, K] and "beta" [B, T, H] (fp32). Speculative decoding rolls the state back by recomputing an accepted
+    prefix from them instead of copying the state per draft token (openk3/cache.py `rollback_kda`)."""
 
     recurrent: Tensor
     conv: Tensor
+    keep_inputs: bool = False
+    inputs: dict[str, Tensor] | None = None
 
 
 @dataclass
 class MLAState:
-    """Per-layer MLA latent cache: [B, max_len, kv_lora + rope] ([c | k_pe], normed c), filled up to `length`."""
+    """Per-layer MLA latent cache: [B, max_len, kv_lora + rope] ([c | k_pe], normed c), filled up to `length`.
+
+    `GatedMLA` uses a cache only through `append`, so the engine's paged cache for ragged batches
+    (openk3/cache.py `PagedMLA`) can stand in for it."""
 
     latent: Tensor
     length: int = 0
+
+    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
+        """Write T new latents after the cached ones. Returns every latent the new queries attend to [B, S, C]
+        (S = the length after the write) and the mask [1, 1, T, S] (True = may attend): query t sits at position
+        length + t and sees keys 0..length + t."""
+        T = lat_BTC.shape[1]
+        P = self.length
+        if P + T > self.latent.shape[1]:
+            raise ValueError(f"MLA cache full: {P} + {T} tokens > max_len {self.latent.shape[1]}")
+        self.latent[:, P:P + T] = lat_BTC.to(self.latent.dtype)
+        self.length = P + T
+        device = lat_BTC.device
+        mask = torch.arange(P + T, device=device)[None, :] <= P + torch.arange(T, device=device)[:, None]
+        return self.latent[:, :P + T], mask[None, None]
 
 
 @dataclass
@@ -197,6 +221,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv_act.split(H * K, dim=-1))
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
+        if state is not None and state.keep_inputs:
+            state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta}
         backend = select_kda_backend(x.device)
         kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
@@ -287,15 +313,8 @@ class GatedMLA(nn.Module):
         if state is not None:
             if mask is not None:
                 raise ValueError("packed-document masks are not supported together with a decode cache")
-            P = state.length
-            if P + T > state.latent.shape[1]:
-                raise ValueError(f"MLA cache full: {P} + {T} tokens > max_len {state.latent.shape[1]}")
-            state.latent[:, P:P + T] = lat.to(state.latent.dtype)
-            state.length = P + T
-            lat = state.latent[:, :P + T].to(x.dtype)
-            # query t (absolute position P+t) sees keys 0..P+t
-            mask = (torch.arange(P + T, device=x.device)[None, :] <= P + torch.arange(T, device=x.device)[:, None])
-            mask = mask[None, None]
+            lat, mask = state.append(lat)
+            lat = lat.to(x.dtype)
             absorb = absorb if absorb is not None else True
         if absorb:
             if mask is None:
@@ -543,9 +562,10 @@ class K3ForCausalLM(nn.Module):
 
     # ---- run
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                cache: K3Cache | None = None, absorb: bool | None = None) -> CausalLMOutput:
+                cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
-        must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update."""
+        must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update.
+        logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last)."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -584,6 +604,10 @@ class K3ForCausalLM(nn.Module):
                 self.output_res_weights = w.detach().float().flatten(1).mean(1)
         else:
             h = prefix
+        if logits_to_keep > 0:
+            if labels is not None:
+                raise ValueError(f"logits_to_keep={logits_to_keep} cannot be combined with labels (the loss needs all)")
+            h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(h.to(dtype)))
         loss = None
         if labels is not None:

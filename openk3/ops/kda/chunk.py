@@ -38,7 +38,7 @@ def chunk_kda_torch(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA; same arguments and results as `naive_recurrent_kda`, plus chunk_size.
 
@@ -49,7 +49,9 @@ def chunk_kda_torch(
         output_final_state: return the state after the last token of each sequence.
         use_qk_l2norm_in_kernel: replace q and k by l2norm(q), l2norm(k) first.
         cu_seqlens: [N+1] boundaries of N sequences packed into batch row 0 (needs B == 1).
-        chunk_size: tokens per chunk; any T works (each sequence is padded to whole chunks).
+        chunk_size: tokens per chunk; any T works (each sequence is padded to whole chunks). The default 16
+            is the fastest measured for training the tiny preset on 2 CPU cores (fwd+bwd, B=8, T=256:
+            1.5 s at 16, 2.4 s at 32, 19.9 s at 64, where the [C, C, K] decay tensor stops fitting in cache).
     Returns:
         o: [B, T, H, V] in q's dtype; final state [N, H, K, V] fp32, or None.
     """
