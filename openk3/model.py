@@ -393,7 +393,8 @@ class MoE(nn.Module):
         if self.qat:
             z = fake_quant_mxfp8(z)
         e = self.experts
-        u = moe_experts(z, idx, w.to(z.dtype), e.w1, e.w2, e.w3, self.act,
+        # NOTE: under autocast z is bf16 while the stacked expert parameters stay fp32: cast them like a Linear would
+        u = moe_experts(z, idx, w.to(z.dtype), e.w1.to(z.dtype), e.w2.to(z.dtype), e.w3.to(z.dtype), self.act,
                         weight_fn=fake_quant_mxfp4 if self.qat else None)
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
