@@ -1,0 +1,740 @@
+"""The openk3 inference engine (K3_SPEC section 7): continuous batching over a paged cache, chunked prefill,
+sampling, the hybrid prefix cache and speculative decoding; and the `generate` / `chat` commands.
+
+    engine = Engine(model, EngineConfig(page_size=64), draft=None)
+    req = engine.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0.0))
+    while engine.has_work():
+        for out in engine.step():        # StepOutput(request_id, token_ids, logprobs, finish_reason)
+            ...                          # stream out.token_ids to the client of out.request_id
+    engine.cancel(req.id); engine.stats()
+
+A server runs `step()` in one thread (a loop or a background thread); `submit` and `cancel` may be called from any
+thread, they only append to queues that the next step drains. One `step()`:
+  1. takes in submitted requests and cancellations;
+  2. admits waiting requests in arrival order while the batch has room and the pool can promise each its worst
+     case (prompt + max_tokens tokens of pages, less what the prefix cache shares), evicting cached prefixes if
+     needed. An admitted request starts at its deepest prefix hit: shared MLA pages, a copy of the KDA checkpoint;
+  3. prefills at most `prefill_chunk` prompt tokens, one request at a time (B = 1 forwards that write the latents
+     into the request's pages; chunks also end at KDA checkpoint boundaries). A request whose prompt is done
+     samples its first token and joins the decode batch;
+  4. decodes one token for every running request in one batched forward over the ragged batch (absorbed MLA
+     reading the pages, recurrent KDA), or with a draft model one speculative round: k draft tokens, one target
+     forward over k + 1 tokens, rejection sampling, KDA rollback from the kept per-token inputs.
+
+Running requests' KDA states live batch-contiguous (one `KDAState` per layer with a row per request), rebuilt only
+when requests join or leave; their MLA latents live in the paged pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from openk3.cache import (KDAState, Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states,
+                          new_kda_states, paged_cache, rollback_kda, select_kda_rows)
+from openk3.model import K3ForCausalLM
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. temperature 0 is greedy; otherwise softmax(logits / temperature), restricted to
+    the top_k most likely tokens (0 = all), then to the smallest set whose probability reaches top_p.
+    `stop_token_ids`: generation ends after one of them (it is part of the output); None = the model's eos.
+    `seed` makes the request's sampling reproducible whatever else shares the batch."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r}: must be a positive integer")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: must be a non-negative integer (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Pages: `num_pages` pages of `page_size` tokens each (page 0 is a reserved zero page);
+    they hold running requests' MLA latents and the prefix cache's blocks and KDA checkpoints alike.
+    Prefix cache: a hash every `hash_interval` tokens; KDA checkpoints every `checkpoint_interval` prompt tokens
+    (a multiple of hash_interval; None = only at the ends of prompts and turns). `prefill_chunk`: prompt tokens
+    per step (bounds the decode stall a long prompt causes). `max_batch`: requests prefilling or decoding at once.
+    `num_draft_tokens`: tokens a draft model proposes per speculative round."""
+
+    page_size: int = 64
+    num_pages: int = 1024
+    max_batch: int = 32
+    prefill_chunk: int = 512
+    prefix_cache: bool = True
+    hash_interval: int = 64
+    checkpoint_interval: int | None = 2048
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_batch", "prefill_chunk", "hash_interval", "num_draft_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name}={v!r}: must be a positive integer")
+        if not isinstance(self.num_pages, int) or self.num_pages < 2:
+            raise ValueError(f"EngineConfig.num_pages={self.num_pages!r}: must be at least 2")
+        ci = self.checkpoint_interval
+        if ci is not None and (not isinstance(ci, int) or ci < 1 or ci % self.hash_interval):
+            raise ValueError(f"EngineConfig.checkpoint_interval={ci!r}: must be None or a positive multiple of "
+                             f"hash_interval={self.hash_interval}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. The caller reads `output` (generated ids, the stop token included), `logprobs`
+    (fp32 log-probability of each under the target model's raw logits), `finish_reason` ("stop", "length",
+    "cancelled" or None while running), `cached_tokens` (prompt tokens taken from the prefix cache) and the
+    timestamps; everything below `status` is the engine's."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    status: str = "waiting"  # waiting -> prefilling -> running -> finished
+    stop: frozenset = frozenset()
+    seq: PagedSeq = field(default_factory=PagedSeq)
+    draft_seq: PagedSeq = field(default_factory=PagedSeq)
+    kda: list | None = None  # own KDA states while prefilling (batch 1); in the batch tensors once running
+    draft_kda: list | None = None
+    prefix: PrefixPath | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The output without a final stop token (what a client shows)."""
+        return self.output[:-1] if self.finish_reason == "stop" else list(self.output)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: new tokens (possibly several with speculative decoding), their
+    logprobs, and the finish reason if the request ended in this step."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def filtered_probs(logits_V: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution a sampled (temperature > 0) request draws from, fp32 [V]: softmax(logits / temperature),
+    kept to the top_k most likely tokens, then to the smallest most-likely set whose mass reaches top_p."""
+    probs = torch.softmax(logits_V.float() / params.temperature, dim=-1)
+    if params.top_k == 0 and params.top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if params.top_k:
+        keep[params.top_k:] = False
+    sorted_p = sorted_p * keep
+    sorted_p = sorted_p / sorted_p.sum()
+    # a token stays if the mass of the tokens before it is still below top_p (so the first always stays)
+    keep &= (sorted_p.cumsum(0) - sorted_p) < params.top_p
+    sorted_p = sorted_p * keep
+    return torch.zeros_like(probs).scatter(0, order, sorted_p / sorted_p.sum())
+
+
+def sample_tokens(logits_BV: Tensor, reqs: list[Request]) -> list[int]:
+    """One token per row: argmax for greedy requests, else a draw from `filtered_probs` with the request's own
+    generator."""
+    tokens = logits_BV.argmax(-1).tolist()
+    for b, r in enumerate(reqs):
+        if not r.params.greedy:
+            tokens[b] = int(torch.multinomial(filtered_probs(logits_BV[b], r.params), 1, generator=r.generator))
+    return tokens
+
+
+def accept_draft(drafted: list[int], p_KV: Tensor, q_KV: Tensor | None, target_argmax: list[int],
+                 generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling for one request (Leviathan et al. 2023; Chen et al. 2023): the tokens it emits.
+
+    drafted: the k draft tokens; p_KV: target probabilities at the k + 1 verify positions [k+1, V]; q_KV: the
+    draft's probabilities [k, V] for the drafted tokens (None for greedy requests); target_argmax: argmax of the
+    target logits at each position. Draft token i is accepted with probability min(1, p_i(d) / q_i(d)); at the
+    first rejection a token is drawn from normalise(max(p_i - q_i, 0)) and the round ends; if all k are accepted
+    a bonus token is drawn from p_k. The emitted tokens are then distributed exactly as the target's own samples.
+    Greedy requests (q_KV None) accept exactly the draft tokens equal to the target's argmax."""
+    out = []
+    for i, d in enumerate(drafted):
+        if q_KV is None:
+            if d != target_argmax[i]:
+                return out + [target_argmax[i]]
+        else:
+            u = float(torch.rand(1, generator=generator, device=p_KV.device))
+            if not u * float(q_KV[i, d]) < float(p_KV[i, d]):
+                residual = (p_KV[i] - q_KV[i]).clamp_min(0)
+                total = float(residual.sum())
+                residual = residual / total if total > 0 else p_KV[i]
+                return out + [int(torch.multinomial(residual, 1, generator=generator))]
+        out.append(d)
+    if q_KV is None:
+        return out + [target_argmax[-1]]
+    return out + [int(torch.multinomial(p_KV[-1], 1, generator=generator))]
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+class Engine:
+    """Continuous batching over a paged cache for one target model (and optionally a draft model with the same
+    vocabulary); see the module docstring. `model` and `draft` are used as they are (device, dtype)."""
+
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, draft: K3ForCausalLM | None = None):
+        self.model = model.eval()
+        self.cfg = config = config or EngineConfig()
+        weight = model.lm_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.pool = PagePool(model.config, config.num_pages, config.page_size, self.device, self.dtype)
+        self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None
+        self.draft = draft.eval() if draft is not None else None
+        self.draft_pool = None
+        if draft is not None:
+            if draft.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"draft vocab_size={draft.config.vocab_size} != target vocab_size="
+                                 f"{model.config.vocab_size}: a draft must share the target's tokenizer")
+            if draft.lm_head.weight.device != self.device:
+                raise ValueError(f"draft is on {draft.lm_head.weight.device}, target on {self.device}")
+            self.draft_pool = PagePool(draft.config, config.num_pages, config.page_size, self.device,
+                                       draft.lm_head.weight.dtype)
+        # Positions a speculative round may write past the last kept token (its worst case is reserved too).
+        self.lookahead = config.num_draft_tokens if draft is not None else 0
+
+        self._inbox: deque[Request] = deque()  # submit() and cancel() only append here (thread-safe)
+        self._cancels: deque[str] = deque()
+        self._ids = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []  # the decode batch; row b of every batch state is running[b]
+        self.kda: list[KDAState] = new_kda_states(model.config, 0, self.device, self.dtype)
+        self.draft_kda: list[KDAState] = (new_kda_states(draft.config, 0, self.device, draft.lm_head.weight.dtype)
+                                          if draft is not None else [])
+        self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
+                             spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0)
+
+    # ---- the API a server uses
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, *, cache_salt: str | None = None,
+               request_id: str | None = None) -> Request:
+        """Queue a request; it starts at a later `step()`. Raises ValueError for a prompt the engine cannot run."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        V = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} outside the vocabulary [0, {V})")
+        need = len(prompt) + params.max_tokens + self.lookahead
+        if need > self.pool.capacity_tokens:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {need} "
+                             f"tokens of cache, more than the pool holds ({self.pool.capacity_tokens}: "
+                             f"num_pages={self.cfg.num_pages} x page_size={self.cfg.page_size}, less the zero page)")
+        stop = params.stop_token_ids if params.stop_token_ids is not None else (self.model.config.eos_token_id,)
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        req = Request(id=request_id if request_id is not None else f"req-{next(self._ids)}", prompt=prompt,
+                      params=params, cache_salt=cache_salt, submitted_at=time.perf_counter(),
+                      stop=frozenset(t for t in stop if t is not None), generator=generator)
+        self._inbox.append(req)
+        return req
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at the next step (a disconnected client); its finish_reason becomes "cancelled"."""
+        self._cancels.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.waiting or self.prefilling or self.running)
+
+    def stats(self) -> dict:
+        """Counters for monitoring: queue depth, batch, pool pages, prefix-cache counters, speculative counters."""
+        s = dict(self.counters, queue_depth=len(self._inbox) + len(self.waiting), prefilling=len(self.prefilling),
+                 running=len(self.running), free_pages=len(self.pool.free), reserved_pages=self.pool.reserved)
+        if self.prefix is not None:
+            s.update(self.prefix.counters())
+        return s
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[Request]:
+        """Submit every prompt and step until all are done (a convenience for scripts and tests)."""
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        reqs = [self.submit(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params)]
+        while not all(r.finished for r in reqs):
+            self.step()
+        return reqs
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One scheduling step (module docstring); returns the tokens produced in it, per request."""
+        outputs: list[StepOutput] = []
+        self._take_inbox(outputs)
+        self._admit()
+        t0 = time.perf_counter()
+        if self.prefilling:
+            self._prefill(outputs)
+        t1 = time.perf_counter()
+        if self.running:
+            if self.draft is not None:
+                self._speculate(outputs)
+            else:
+                self._decode(outputs)
+            self.counters["decode_seconds"] += time.perf_counter() - t1
+        self.counters["prefill_seconds"] += t1 - t0
+        self.counters["steps"] += 1
+        return outputs
+
+    # ---- admission
+    def _take_inbox(self, outputs: list[StepOutput]) -> None:
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        cancelled = set()
+        while self._cancels:
+            cancelled.add(self._cancels.popleft())
+        if not cancelled:
+            return
+        for req in [r for r in self.waiting if r.id in cancelled]:
+            self.waiting.remove(req)
+            self._end(req, "cancelled", outputs)
+        for req in [r for r in self.prefilling if r.id in cancelled]:
+            self.prefilling.remove(req)
+            self._end(req, "cancelled", outputs)
+        rows = [b for b, r in enumerate(self.running) if r.id in cancelled]
+        for b in rows:
+            self._end(self.running[b], "cancelled", outputs)
+        self._leave(rows)
+
+    def _make_room(self, pages: int) -> bool:
+        """Evict cached prefixes until `pages` pages are available; False if that is impossible."""
+        while self.pool.available < pages:
+            if self.prefix is None or not self.prefix.evict_one():
+                return False
+        return True
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.prefilling) + len(self.running) < self.cfg.max_batch:
+            if not self._try_admit(self.waiting[0]):
+                return
+            req = self.waiting.popleft()
+            req.status = "prefilling"
+            self.prefilling.append(req)
+
+    def _try_admit(self, req: Request) -> bool:
+        pool, n = self.pool, len(req.prompt)
+        total = n + req.params.max_tokens + self.lookahead
+        match = self.prefix.lookup(req.prompt, req.cache_salt) if self.prefix is not None else Match([], 0)
+        need = pool.pages_for(total) - match.length // pool.page_size  # shared pages cost nothing
+        draft_need = self.draft_pool.pages_for(total) if self.draft_pool is not None else 0
+        if self.prefix is not None:
+            self.prefix.pin(match)  # so that making room cannot evict the match itself
+        if not self._make_room(need) or (self.draft_pool is not None and self.draft_pool.available < draft_need):
+            if self.prefix is not None:
+                self.prefix.unpin(match)
+            return False
+        pool.reserve(need)
+        req.seq = PagedSeq(reserved=need)
+        states = None
+        if self.prefix is not None:
+            req.prefix, states = self.prefix.use(match, n, req.cache_salt, req.seq)
+        req.cached_tokens = match.length
+        req.kda = states if states is not None else new_kda_states(self.model.config, 1, self.device, self.dtype)
+        if self.draft is not None:
+            self.draft_pool.reserve(draft_need)
+            req.draft_seq = PagedSeq(reserved=draft_need)
+            req.draft_kda = new_kda_states(self.draft.config, 1, self.device, self.draft_pool.dtype)
+        return True
+
+    # ---- forwards
+    def _forward(self, model: K3ForCausalLM, pool: PagePool, seqs: list[PagedSeq], kda: list[KDAState],
+                 tokens: list[list[int]], logits_to_keep: int = 0) -> Tensor:
+        """One forward of a ragged batch: row b appends tokens[b] (all rows the same count T) after its cached
+        seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V]."""
+        T = len(tokens[0])
+        cache = paged_cache(pool, kda, seqs, T)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        logits = model(ids, cache=cache, logits_to_keep=logits_to_keep).logits
+        for s in seqs:
+            s.length += T
+        return logits.float()
+
+    def _prefill(self, outputs: list[StepOutput]) -> None:
+        budget = self.cfg.prefill_chunk
+        ci = self.cfg.checkpoint_interval if self.prefix is not None else None
+        while self.prefilling and budget > 0:
+            req = self.prefilling[0]
+            n, start = len(req.prompt), req.seq.length
+            end = min(n, start + budget)
+            if ci is not None and (start // ci + 1) * ci < end:
+                end = (start // ci + 1) * ci  # stop at the checkpoint boundary: the state exists only there
+            logits = self._forward(self.model, self.pool, [req.seq], req.kda, [req.prompt[start:end]],
+                                   logits_to_keep=1)
+            budget -= end - start
+            self.counters["prefill_tokens"] += end - start
+            if self.prefix is not None:
+                if ci is not None and end % ci == 0 and end < n:
+                    self.prefix.checkpoint(req.prefix, req.prompt, req.seq, req.kda, 0, self._make_room)
+                else:
+                    self.prefix.publish_blocks(req.prefix, req.prompt, end, req.seq)
+            if end < n:
+                continue
+            self.prefilling.pop(0)
+            if self.draft is not None:  # the draft has no prefix cache: it reads the whole prompt
+                for s in range(0, n, self.cfg.prefill_chunk):
+                    self._forward(self.draft, self.draft_pool, [req.draft_seq], req.draft_kda,
+                                  [req.prompt[s:s + self.cfg.prefill_chunk]], logits_to_keep=1)
+            if self.prefix is not None:  # always a checkpoint at the end of a prompt
+                self.prefix.checkpoint(req.prefix, req.prompt, req.seq, req.kda, 0, self._make_room)
+            token = sample_tokens(logits[:, -1], [req])[0]
+            logprob = float(torch.log_softmax(logits[0, -1], -1)[token])
+            self._emit(req, [token], [logprob], outputs)
+            if req.finished:
+                self._end(req, req.finish_reason, outputs, states=req.kda, row=0, emitted=True)
+                continue
+            req.status = "running"
+            self.running.append(req)
+            self.kda = cat_kda_states(self.kda, req.kda)
+            if self.draft is not None:
+                self.draft_kda = cat_kda_states(self.draft_kda, req.draft_kda)
+            req.kda = req.draft_kda = None
+
+    def _decode(self, outputs: list[StepOutput]) -> None:
+        reqs = self.running
+        logits = self._forward(self.model, self.pool, [r.seq for r in reqs], self.kda,
+                               [[r.output[-1]] for r in reqs])[:, -1]
+        tokens = sample_tokens(logits, reqs)
+        logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens, device=self.device)[:, None])
+        for r, t, lp in zip(reqs, tokens, logprobs[:, 0].tolist()):
+            self._emit(r, [t], [lp], outputs)
+        self.counters["decode_tokens"] += len(reqs)
+        self._retire(outputs)
+
+    def _speculate(self, outputs: list[StepOutput]) -> None:
+        """One speculative round for the whole batch (module docstring, step 4)."""
+        reqs, k = self.running, self.cfg.num_draft_tokens
+        B = len(reqs)
+        # The committed states are the tensors the layers hold now; forwards replace them, so no copy is needed.
+        committed = [KDAState(s.recurrent, s.conv) for s in self.kda]
+        draft_committed = [KDAState(s.recurrent, s.conv) for s in self.draft_kda]
+        for s in self.kda + self.draft_kda:
+            s.keep_inputs = True
+        draft_inputs: list[list[dict]] = [[] for _ in self.draft_kda]
+        drafted: list[list[int]] = [[] for _ in reqs]
+        q_probs: list[list[Tensor]] = [[] for _ in reqs]
+        tokens = [[r.output[-1]] for r in reqs]
+        # k + 1 draft forwards: the last one only feeds d_k, so the draft's cache covers every verified token.
+        for i in range(k + 1):
+            logits = self._forward(self.draft, self.draft_pool, [r.draft_seq for r in reqs], self.draft_kda,
+                                   tokens)[:, -1]
+            for j, s in enumerate(self.draft_kda):
+                draft_inputs[j].append(s.inputs)
+            if i == k:
+                break
+            greedy = logits.argmax(-1).tolist()
+            for b, r in enumerate(reqs):
+                if r.params.greedy:
+                    drafted[b].append(greedy[b])
+                else:
+                    q = filtered_probs(logits[b], r.params)
+                    q_probs[b].append(q)
+                    drafted[b].append(int(torch.multinomial(q, 1, generator=r.generator)))
+            tokens = [[d[-1]] for d in drafted]
+
+        verify = [[r.output[-1]] + d for r, d in zip(reqs, drafted)]
+        logits = self._forward(self.model, self.pool, [r.seq for r in reqs], self.kda, verify)  # [B, k+1, V]
+        logprobs = torch.log_softmax(logits, -1)
+        argmax = logits.argmax(-1).tolist()
+        keep = []
+        for b, r in enumerate(reqs):
+            if r.params.greedy:
+                emitted = accept_draft(drafted[b], logits[b], None, argmax[b], None)
+            else:
+                p = torch.stack([filtered_probs(logits[b, i], r.params) for i in range(k + 1)])
+                emitted = accept_draft(drafted[b], p, torch.stack(q_probs[b]), argmax[b], r.generator)
+            positions = torch.arange(len(emitted), device=self.device)
+            lps = logprobs[b, positions, torch.tensor(emitted, device=self.device)].tolist()
+            keep.append(self._emit(r, emitted, lps, outputs))
+            self.counters["accepted_tokens"] += len(emitted) - 1
+        self.counters["spec_rounds"] += 1
+        self.counters["draft_tokens"] += B * k
+        self.counters["decode_tokens"] += sum(keep)
+
+        # Roll both models back to the kept tokens: pending token + the accepted drafts (fewer if a stop came).
+        for r, n in zip(reqs, keep):
+            r.seq.length -= k + 1 - n
+            r.draft_seq.length -= k + 1 - n
+        if min(keep) < k + 1:
+            keep_B = torch.tensor(keep, device=self.device)
+            for s, c in zip(self.kda, committed):
+                rollback_kda(s, c, s.inputs, keep_B)
+            for s, c, parts in zip(self.draft_kda, draft_committed, draft_inputs):
+                joined = {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
+                rollback_kda(s, c, joined, keep_B)
+        for s in self.kda + self.draft_kda:
+            s.keep_inputs, s.inputs = False, None
+        self._retire(outputs)
+
+    # ---- outputs and endings
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[float], outputs: list[StepOutput]) -> int:
+        """Append tokens to the request up to (and including) the first stop token or the max_tokens limit;
+        returns how many were kept."""
+        kept = 0
+        for t in tokens:
+            req.output.append(t)
+            req.logprobs.append(logprobs[kept])
+            kept += 1
+            if t in req.stop:
+                req.finish_reason = "stop"
+                break
+            if len(req.output) >= req.params.max_tokens:
+                req.finish_reason = "length"
+                break
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        outputs.append(StepOutput(req.id, tokens[:kept], logprobs[:kept], req.finish_reason))
+        return kept
+
+    def _retire(self, outputs: list[StepOutput]) -> None:
+        """Finish the running requests that stopped in this step and take them out of the batch."""
+        done = [b for b, r in enumerate(self.running) if r.finished]
+        for b in done:
+            r = self.running[b]
+            self._end(r, r.finish_reason, outputs, states=self.kda, row=b, emitted=True)
+        self._leave(done)
+
+    def _leave(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        gone = set(rows)
+        stay = [b for b in range(len(self.running)) if b not in gone]
+        self.running = [self.running[b] for b in stay]
+        self.kda = select_kda_rows(self.kda, stay)
+        if self.draft is not None:
+            self.draft_kda = select_kda_rows(self.draft_kda, stay)
+
+    def _end(self, req: Request, reason: str, outputs: list[StepOutput], states: list[KDAState] | None = None,
+             row: int = 0, emitted: bool = False) -> None:
+        """Release a request's pages and pins. A turn that ended normally first publishes its whole conversation
+        so far, with a KDA checkpoint at its end (the next turn resumes there)."""
+        if self.prefix is not None and req.prefix is not None and reason in ("stop", "length"):
+            tokens = req.prompt + req.output
+            self.prefix.checkpoint(req.prefix, tokens, req.seq, states, row, self._make_room)
+        if self.prefix is not None and req.prefix is not None:
+            self.prefix.release(req.prefix)
+        req.seq.free(self.pool)
+        if self.draft_pool is not None:
+            req.draft_seq.free(self.draft_pool)
+        req.kda = req.draft_kda = None
+        req.finish_reason, req.status, req.finished_at = reason, "finished", time.perf_counter()
+        self.counters["finished"] += 1
+        if not emitted:
+            outputs.append(StepOutput(req.id, [], [], reason))
+
+
+def early_exit_draft(model: K3ForCausalLM, n_layers: int) -> K3ForCausalLM:
+    """A draft model made of the target's first `n_layers` decoder layers plus its embedding, output mix, norm and
+    lm_head (self-speculation by early exit, as in LayerSkip): a smaller openk3 model with the same tokenizer that
+    needs no training. It shares the target's parameter tensors (no copy)."""
+    c = model.config
+    if not 1 <= n_layers < c.num_hidden_layers:
+        raise ValueError(f"n_layers={n_layers}: a draft needs between 1 and {c.num_hidden_layers - 1} layers")
+    lac = c.linear_attn_config
+    full = [i for i in lac.full_attn_layers if i <= n_layers]
+    if not full:
+        raise ValueError(f"n_layers={n_layers}: the first MLA layer is {min(lac.full_attn_layers)}; the engine's "
+                         f"page pool needs at least one MLA layer in the draft")
+    config = c.replace(num_hidden_layers=n_layers, linear_attn_config={
+        "kda_layers": [i for i in lac.kda_layers if i <= n_layers], "full_attn_layers": full})
+    with torch.device("meta"):
+        draft = K3ForCausalLM(config)
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers}
+    draft.load_state_dict(state, assign=True)
+    return draft.eval()
+
+
+# ------------------------------------------------------------------------------------------ chat encoding
+
+ROLE_TOKENS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>",
+               "tool": "<|im_system|>"}
+
+
+def encode_message(tokenizer, role: str, content: str) -> list[int]:
+    """One message in Kimi's chat format: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|> (K2's template; tool
+    results use the system role token with the name "tool"). Content is encoded as plain text, so a special-token
+    string inside it can never act as one."""
+    if role not in ROLE_TOKENS:
+        raise ValueError(f"unknown chat role {role!r}; expected one of {sorted(ROLE_TOKENS)}")
+    return ([tokenizer.token_id(ROLE_TOKENS[role])] + tokenizer.encode(role)
+            + [tokenizer.token_id("<|im_middle|>")] + tokenizer.encode(content) + [tokenizer.token_id("<|im_end|>")])
+
+
+def assistant_header(tokenizer) -> list[int]:
+    """What the model continues from to write an assistant message: <|im_assistant|>assistant<|im_middle|>."""
+    return ([tokenizer.token_id("<|im_assistant|>")] + tokenizer.encode("assistant")
+            + [tokenizer.token_id("<|im_middle|>")])
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """A conversation [{"role": ..., "content": ...}, ...] as prompt ids, ending with the assistant header."""
+    ids = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        ids += encode_message(tokenizer, m["role"], m["content"])
+    return ids + (assistant_header(tokenizer) if add_generation_prompt else [])
+
+
+def chat_stop_ids(tokenizer) -> tuple[int, ...]:
+    """An assistant message ends at <|im_end|> (or the tokenizer's eos, if that is another token)."""
+    return tuple(sorted({tokenizer.token_id("<|im_end|>"), tokenizer.eos_id}))
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None:
+    """The arguments of `openk3 generate` (chat=False) and `openk3 chat` (chat=True)."""
+    parser.add_argument("--model", required=True, help="model directory or run directory (its latest checkpoint)")
+    if chat:
+        parser.add_argument("--system", default=None, help="a system message to start the conversation with")
+    else:
+        parser.add_argument("--prompt", required=True, help="text to continue (after [BOS])")
+        parser.add_argument("--json", action="store_true", help="print JSON: token ids, text, finish reason, timing")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-prefix-cache", action="store_true", help="turn the hybrid prefix cache off")
+    parser.add_argument("--draft", default=None,
+                        help="a smaller openk3 model (same tokenizer) for speculative decoding")
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+
+
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `generate` and `chat` on an argparse sub-parser set (for openk3/cli.py)."""
+    p = sub.add_parser("generate", help="continue a prompt with the inference engine")
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("chat", help="multi-turn chat in the terminal (shows cached prompt tokens per turn)")
+    add_engine_args(p, chat=True)
+    p.set_defaults(fn=cmd_chat)
+
+
+def _engine_from_args(args: argparse.Namespace):
+    from openk3.train import load_for_inference
+
+    model, tokenizer, _ = load_for_inference(args.model, args.device)
+    draft = None
+    if args.draft is not None:
+        draft, draft_tokenizer, _ = load_for_inference(args.draft, args.device)
+        if draft_tokenizer.fingerprint() != tokenizer.fingerprint():
+            raise ValueError(f"--draft {args.draft} has a different tokenizer from --model {args.model}")
+    if args.cache_tokens < args.page_size:
+        raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
+    config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
+                          prefix_cache=not args.no_prefix_cache, num_draft_tokens=args.num_draft_tokens)
+    return Engine(model, config, draft), tokenizer
+
+
+def _params(args: argparse.Namespace, stop: tuple[int, ...]) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop_token_ids=stop)
+
+
+def _stream(engine: Engine, req: Request, tokenizer, write) -> None:
+    """Step the engine until `req` is done, writing its text as it grows (whole characters only)."""
+    shown = ""
+    while not req.finished:
+        engine.step()
+        text = tokenizer.decode(req.completion_ids if req.finished else req.output, skip_special=True)
+        if not text.endswith("\ufffd"):  # an incomplete multi-byte character waits for its next token
+            write(text[len(shown):])
+            shown = text
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """`openk3 generate --model DIR --prompt TEXT [--json]`: one completion of [BOS] + prompt."""
+    engine, tokenizer = _engine_from_args(args)
+    prompt = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+    req = engine.submit(prompt, _params(args, (tokenizer.eos_id,)))
+    if args.json:
+        while not req.finished:
+            engine.step()
+        ids = req.completion_ids
+        print(json.dumps({"prompt": args.prompt, "prompt_tokens": len(prompt), "token_ids": ids,
+                          "text": tokenizer.decode(ids, skip_special=True), "finish_reason": req.finish_reason,
+                          "cached_tokens": req.cached_tokens,
+                          "time_to_first_token_s": req.first_token_at - req.submitted_at,
+                          "total_s": req.finished_at - req.submitted_at,
+                          "engine": {k: v for k, v in engine.stats().items() if isinstance(v, int)}}))
+        return
+    sys.stdout.write(args.prompt)
+    _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args: argparse.Namespace, read=input) -> None:
+    """`openk3 chat --model DIR`: multi-turn chat; the conversation is kept as token ids (the assistant's exactly
+    as generated), so each turn's prompt extends the last and the prefix cache resumes at the end of that turn."""
+    engine, tokenizer = _engine_from_args(args)
+    end = tokenizer.token_id("<|im_end|>")
+    history = encode_message(tokenizer, "system", args.system) if args.system else []
+    print("openk3 chat: an empty line or Ctrl-D ends the conversation.")
+    while True:
+        try:
+            line = read("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        prompt = history + encode_message(tokenizer, "user", line) + assistant_header(tokenizer)
+        req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
+        sys.stdout.write("k3> ")
+        _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
+              f"generated, {req.finish_reason}]")
+        history = prompt + req.output + ([] if req.output[-1] == end else [end])

@@ -1,0 +1,354 @@
+"""The inference engine: ragged continuous batching against full forwards, sampling, stops, cancellation, the prefix
+cache at turn ends, speculative decoding, the cold / cached / speculative agreement gate, chat encoding, the CLI."""
+
+import argparse
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from openk3.cache import PagePool
+from openk3.engine import (Engine, EngineConfig, SamplingParams, accept_draft, chat_stop_ids, early_exit_draft,
+                           encode_chat, filtered_probs, register_commands)
+from openk3.model import K3ForCausalLM
+from openk3.tokenizer import train_bpe
+from tests.test_cache import one_thread, small_config, small_model  # noqa: F401  (one_thread: autouse fixture)
+
+GREEDY = dict(temperature=0.0, stop_token_ids=())
+
+
+def check_against_full_forward(model: K3ForCausalLM, req, greedy: bool = True, tol: float = 1e-4) -> None:
+    """The request's logprobs (and, greedy, its tokens) equal those of one full forward over prompt + output."""
+    ids = torch.tensor([req.prompt + req.output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)[len(req.prompt) - 1:-1]
+    if greedy:
+        assert logp.argmax(-1).tolist() == req.output, req.id
+    want = logp.gather(1, torch.tensor(req.output)[:, None])[:, 0]
+    assert (want - torch.tensor(req.logprobs)).abs().max() < tol, req.id
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_ragged_continuous_batching_equals_full_forward(family):
+    """Requests of different lengths join and leave the batch between steps (max_batch forces some to wait),
+    prompts are prefilled in chunks that cross checkpoint boundaries: every token and logprob is the full
+    forward's."""
+    model = small_model(family)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=300, max_batch=3, prefill_chunk=4, hash_interval=4,
+                                        checkpoint_interval=8))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 13, 6, 22, 9)]
+    max_tokens = [3, 9, 5, 7, 4]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts[:2], max_tokens)]
+    sizes = []
+    for _ in range(2):
+        engine.step()
+        sizes.append(len(engine.running))
+    reqs += [engine.submit(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts[2:], max_tokens[2:])]
+    while engine.has_work():
+        assert len(engine.running) + len(engine.prefilling) <= 3
+        engine.step()
+        sizes.append(len(engine.running))
+    assert len(set(sizes)) >= 3  # the decode batch really changed size
+    for r, m in zip(reqs, max_tokens):
+        assert r.finish_reason == "length" and len(r.output) == m
+        check_against_full_forward(model, r)
+    assert engine.pool.reserved == 0 and engine.stats()["running"] == 0
+
+
+def test_filtered_probs_follow_temperature_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(50) * 3
+    p = filtered_probs(logits, SamplingParams(temperature=0.7))
+    assert torch.allclose(p, torch.softmax(logits / 0.7, -1))
+    p = filtered_probs(logits, SamplingParams(temperature=0.7, top_k=5))
+    top = logits.topk(5).indices
+    assert set(p.nonzero()[:, 0].tolist()) == set(top.tolist())
+    assert torch.allclose(p[top], torch.softmax(logits[top] / 0.7, -1))
+    full = torch.softmax(logits, -1)
+    sorted_p, order = full.sort(descending=True)
+    n = int((sorted_p.cumsum(0) < 0.8).sum()) + 1  # the smallest most-likely set with mass >= 0.8
+    p = filtered_probs(logits, SamplingParams(top_p=0.8))
+    assert set(p.nonzero()[:, 0].tolist()) == set(order[:n].tolist())
+    assert torch.allclose(p[order[:n]], sorted_p[:n] / sorted_p[:n].sum())
+    assert filtered_probs(logits, SamplingParams(top_p=1e-6)).max() == 1.0  # the most likely token always stays
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        SamplingParams(temperature=-1)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = small_model()
+    prompt = list(range(10, 20))
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, top_p=0.95, seed=7, stop_token_ids=())
+    alone = Engine(model, EngineConfig(page_size=4, num_pages=100)).generate([prompt], params)[0]
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=100))
+    others = [engine.submit([5, 6, 7], SamplingParams(max_tokens=n, temperature=1.0, seed=n)) for n in (3, 20)]
+    crowded = engine.submit(prompt, params)
+    while engine.has_work():
+        engine.step()
+    assert crowded.output == alone.output and all(o.finished for o in others)
+    other_seed = Engine(model, EngineConfig(page_size=4, num_pages=100)).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=8, stop_token_ids=()))[0]
+    assert other_seed.output != alone.output
+    check_against_full_forward(model, crowded, greedy=False)
+
+
+def test_stop_tokens_and_max_tokens():
+    model = small_model()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=100))
+    free = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=10, **GREEDY))[0].output
+    stop = free[3]
+    cut = free.index(stop) + 1
+    req = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=10, temperature=0.0,
+                                                             stop_token_ids=(stop,)))[0]
+    assert req.output == free[:cut] and req.finish_reason == "stop" and req.completion_ids == free[:cut - 1]
+    req = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert req.output == free[:2] and req.finish_reason == "length"
+    assert engine.submit([1], SamplingParams()).stop == frozenset({model.config.eos_token_id})  # the default
+
+
+def test_cancel_and_counters():
+    model = small_model()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=100, max_batch=2))
+    free_at_start = len(engine.pool.free)
+    reqs = [engine.submit([1, 2, 3, i], SamplingParams(max_tokens=40, **GREEDY)) for i in range(3)]
+    assert engine.stats()["queue_depth"] == 3
+    engine.step()
+    engine.step()
+    assert engine.stats()["running"] == 2 and engine.stats()["queue_depth"] == 1
+    engine.cancel(reqs[0].id)  # running
+    engine.cancel(reqs[2].id)  # still waiting
+    outs = engine.step()
+    ended = {o.request_id: o.finish_reason for o in outs if o.finish_reason}
+    assert ended == {reqs[0].id: "cancelled", reqs[2].id: "cancelled"}
+    assert reqs[0].output and not reqs[2].output and engine.stats()["running"] == 1
+    while engine.has_work():
+        engine.step()
+    assert reqs[1].finish_reason == "length"
+    check_against_full_forward(model, reqs[1])
+    # every page is back: free, or held by the prefix cache
+    held = {p for n in engine.prefix.nodes.values() for p in n.pages + (n.checkpoint or [])}
+    assert len(engine.pool.free) + len(held) == free_at_start and engine.pool.reserved == 0
+    stats = engine.stats()
+    assert stats["queries"] == 2 and stats["finished"] == 3 and stats["queue_depth"] == 0
+
+
+def test_prefix_hits_resume_at_prompt_and_turn_ends():
+    """Turn 2 of a conversation resumes exactly where turn 1's generation stopped (its last token is the only one
+    not yet in the cache); another continuation of turn 1's prompt resumes at that prompt's end; the outputs equal a
+    cold engine's; a different cache salt gets nothing."""
+    model = small_model()
+    cfg = dict(page_size=4, num_pages=400, hash_interval=8)
+    engine, cold = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(prefix_cache=False, **cfg))
+    p1 = list(range(30, 49))  # 19 tokens: the prompt ends between hash boundaries
+    t1 = engine.generate([p1], SamplingParams(max_tokens=5, **GREEDY), cache_salt="a")[0]
+    p2 = p1 + t1.output + [7, 8, 9]
+    p3 = p1 + [1, 2]
+    t2, t3 = engine.generate([p2, p3], SamplingParams(max_tokens=6, **GREEDY), cache_salt="a")
+    assert t1.cached_tokens == 0 and t2.cached_tokens == len(p1) + 5 - 1 and t3.cached_tokens == len(p1)
+    for hot, c in zip((t2, t3), cold.generate([p2, p3], SamplingParams(max_tokens=6, **GREEDY))):
+        assert hot.output == c.output
+        assert max(abs(a - b) for a, b in zip(hot.logprobs, c.logprobs)) < 1e-4
+    assert engine.generate([p2], SamplingParams(max_tokens=1, **GREEDY), cache_salt="b")[0].cached_tokens == 0
+    stats = engine.stats()
+    assert stats["hit_tokens"] == t2.cached_tokens + t3.cached_tokens and stats["queries"] == 4
+
+
+def test_prefix_is_published_only_as_far_as_it_is_written():
+    """During a chunked prefill a lookup of the same prompt never reaches past what has been computed."""
+    model = small_model()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=400, prefill_chunk=4, hash_interval=4,
+                                        checkpoint_interval=8))
+    prompt = list(range(60, 90))
+    req = engine.submit(prompt, SamplingParams(max_tokens=1, **GREEDY))
+    seen = []
+    while not req.finished:
+        engine.step()
+        done = req.seq.length if not req.finished else len(prompt)
+        reach = engine.prefix.lookup(prompt + [0], None).length  # a longer prompt could use everything
+        assert reach <= done
+        seen.append(reach)
+    # 4 tokens a step; checkpoints at 8, 16, 24 appear once written, then the one at the prompt's end (30)
+    assert seen == [0, 8, 8, 16, 16, 24, 24, 30]
+
+
+def test_speculative_decoding_with_the_target_as_draft_accepts_everything():
+    model = small_model()
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 51))]
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=200, num_draft_tokens=3), draft=model)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=9, **GREEDY))
+    stats = engine.stats()
+    assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
+    for r in reqs:
+        check_against_full_forward(model, r)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """The first emitted token of a speculative round is distributed as the target's p, whatever the draft's q."""
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    p = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(1, V, generator=g) * 1.5, -1)
+    counts = torch.zeros(V)
+    n = 20000
+    for _ in range(n):
+        d = int(torch.multinomial(q[0], 1, generator=g))
+        counts[accept_draft([d], p, q, p.argmax(-1).tolist(), g)[0]] += 1
+    assert (counts / n - p[0]).abs().max() < 0.015
+    # greedy: exact match with the target's argmax, then the target's own token
+    best = [3, 1, 4]
+    assert accept_draft([3, 1], p, None, best, None) == [3, 1, 4]
+    assert accept_draft([3, 2], p, None, best, None) == [3, 1]
+    assert accept_draft([0, 1], p, None, best, None) == [3]
+
+
+def test_speculative_sampling_reports_target_logprobs():
+    model = small_model()
+    draft = early_exit_draft(model, 3)
+    assert draft.config.num_hidden_layers == 3
+    assert draft.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()  # shared, not copied
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=200, num_draft_tokens=4), draft=draft)
+    reqs = engine.generate([[1, 2, 3], list(range(20, 37))],
+                           SamplingParams(max_tokens=10, temperature=0.8, top_k=30, seed=3, stop_token_ids=()))
+    for r in reqs:
+        assert len(r.output) == 10
+        check_against_full_forward(model, r, greedy=False)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(model, draft=K3ForCausalLM(small_config().replace(vocab_size=300)))
+
+
+def run_conversations(engine: Engine, convs: list[list[list[int]]], max_tokens: list[list[int]]):
+    """Turn by turn, all conversations at once: prompt = history + user tokens; history += prompt + output."""
+    histories = [[] for _ in convs]
+    turns = []
+    for t in range(len(convs[0])):
+        prompts = [h + conv[t] for h, conv in zip(histories, convs)]
+        reqs = engine.generate(prompts, [SamplingParams(max_tokens=m[t], **GREEDY) for m in max_tokens])
+        histories = [p + r.output for p, r in zip(prompts, reqs)]
+        turns.append(reqs)
+    return turns
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_cold_cached_and_speculative_decoding_agree(data):
+    """The hard gate: on random multi-turn conversations (several at once), decoding cold, after prefix-cache hits
+    in a pool so small that it must evict, and speculatively (early-exit draft, so some drafts are accepted and
+    some rolled back) gives identical greedy tokens and logprobs within 1e-4."""
+    page_size = data.draw(st.sampled_from([2, 4, 6]), "page_size")
+    hash_interval = data.draw(st.sampled_from([4, 6, 8]), "hash_interval")
+    checkpoint_every = data.draw(st.sampled_from([None, 1, 2]), "checkpoint_every")
+    n_conv = data.draw(st.integers(1, 3), "conversations")
+    n_turns = data.draw(st.integers(1, 3), "turns")
+    rng = random.Random(data.draw(st.integers(0, 2 ** 16), "seed"))
+    convs = [[[rng.randrange(256) for _ in range(rng.randint(1, 12))] for _ in range(n_turns)] for _ in range(n_conv)]
+    max_tokens = [[rng.randint(1, 6) for _ in range(n_turns)] for _ in range(n_conv)]
+    k = rng.randint(1, 4)
+
+    model = small_model(seed=1)
+    longest = max(sum(len(u) for u in c) + sum(m) for c, m in zip(convs, max_tokens)) + k
+    ckpt_pages = PagePool(model.config, 2, page_size, "meta", torch.float32).checkpoint_pages
+    tiny_pool = -(-longest // page_size) + 1 + ckpt_pages + ckpt_pages // 2  # one request and about one checkpoint
+    shared = dict(page_size=page_size, hash_interval=hash_interval, prefill_chunk=rng.randint(2, 9),
+                  checkpoint_interval=checkpoint_every and checkpoint_every * hash_interval)
+    cold = Engine(model, EngineConfig(page_size=4, num_pages=200, prefix_cache=False))
+    cached = Engine(model, EngineConfig(num_pages=tiny_pool, **shared))
+    spec = Engine(model, EngineConfig(num_pages=tiny_pool, num_draft_tokens=k, **shared),
+                  draft=early_exit_draft(model, 3))
+    results = [run_conversations(e, convs, max_tokens) for e in (cold, cached, spec)]
+    for turn in zip(*results):
+        for c, h, s in zip(*turn):
+            assert c.output == h.output == s.output
+            assert max(abs(a - b) for a, b in zip(c.logprobs, h.logprobs)) < 1e-4
+            assert max(abs(a - b) for a, b in zip(c.logprobs, s.logprobs)) < 1e-4
+    for e in (cached, spec):
+        assert e.pool.reserved == 0 and not e.running
+
+
+def test_the_gate_sees_hits_and_evictions():
+    """The gate's setting really exercises the cache: hits on later turns, and evictions forced by the tiny pool."""
+    model = small_model(seed=1)
+    rng = random.Random(5)
+    convs = [[[rng.randrange(256) for _ in range(9)] for _ in range(3)] for _ in range(3)]
+    ckpt_pages = PagePool(model.config, 2, 4, "meta", torch.float32).checkpoint_pages
+    engine = Engine(model, EngineConfig(page_size=4, hash_interval=4, num_pages=20 + ckpt_pages * 2))
+    turns = run_conversations(engine, convs, [[4, 4, 4]] * 3)
+    stats = engine.stats()
+    assert stats["evictions"] > 0 and stats["hit_tokens"] > 0
+    assert any(r.cached_tokens > 0 for r in turns[2])
+
+
+def test_submit_rejects_what_cannot_run():
+    engine = Engine(small_model(), EngineConfig(page_size=4, num_pages=10))
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="token id 256"):
+        engine.submit([1, 256], SamplingParams())
+    with pytest.raises(ValueError, match="more than the pool holds"):
+        engine.submit([1] * 30, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="checkpoint_interval=6"):
+        EngineConfig(hash_interval=4, checkpoint_interval=6)
+
+
+# ------------------------------------------------------------------------------------------ chat and CLI
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world, hello K3", "def f(x): return x + 1"] * 20
+    return train_bpe(texts, vocab_size=300)
+
+
+def test_chat_encoding(tokenizer):
+    ids = encode_chat(tokenizer, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hi <|im_end|>"}])
+    text = tokenizer.decode(ids)
+    assert text == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi <|im_end|>"
+                    "<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    # the special-token string typed by the user stays text: only two real <|im_end|> ids
+    assert ids.count(tokenizer.token_id("<|im_end|>")) == 2
+    assert set(chat_stop_ids(tokenizer)) == {tokenizer.token_id("<|im_end|>"), tokenizer.eos_id}
+    with pytest.raises(ValueError, match="unknown chat role 'robot'"):
+        encode_chat(tokenizer, [{"role": "robot", "content": "x"}])
+
+
+def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
+    torch.manual_seed(0)
+    config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    model = K3ForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+    parser = argparse.ArgumentParser()
+    register_commands(parser.add_subparsers(dest="command"))
+
+    args = parser.parse_args(["generate", "--model", str(tmp_path), "--prompt", "hello", "--max-tokens", "6",
+                              "--temperature", "0", "--json", "--device", "cpu"])
+    args.fn(args)
+    out = json.loads(capsys.readouterr().out)
+    from openk3.train import load_for_inference
+    loaded, _, _ = load_for_inference(tmp_path)
+    want = Engine(loaded, EngineConfig(prefix_cache=False)).generate(
+        [[tokenizer.bos_id] + tokenizer.encode("hello")],
+        SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(tokenizer.eos_id,)))[0]
+    assert out["token_ids"] == want.completion_ids and out["text"] == tokenizer.decode(want.completion_ids,
+                                                                                        skip_special=True)
+    assert out["prompt_tokens"] == 1 + len(tokenizer.encode("hello"))
+
+    args = parser.parse_args(["chat", "--model", str(tmp_path), "--max-tokens", "4", "--temperature", "0",
+                              "--device", "cpu"])
+    lines = ["hello world", "the lazy dog"]
+
+    def read(prompt: str) -> str:
+        if not lines:
+            raise EOFError
+        return lines.pop(0)
+
+    args.fn(args, read=read)
+    shown = capsys.readouterr().out
+    cached = [int(line.split("[")[1].split("/")[0]) for line in shown.splitlines() if "prefix cache" in line]
+    assert cached[0] == 0 and cached[1] > 0
