@@ -9,16 +9,6 @@ from openk3.config import K3Config, kimi_k3, tiny
 from openk3.model import K3ForCausalLM, KimiDeltaAttention
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine an OpenMP barrier waiting for a
-    descheduled thread costs a scheduler slice per op (a tiny forward went from 10 ms to 5 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 

@@ -15,7 +15,7 @@ from openk3.engine import (Engine, EngineConfig, SamplingParams, accept_draft, c
                            encode_chat, filtered_probs, register_commands)
 from openk3.model import K3ForCausalLM
 from openk3.tokenizer import train_bpe
-from tests.test_cache import one_thread, small_config, small_model  # noqa: F401  (one_thread: autouse fixture)
+from tests.test_cache import small_config, small_model
 
 GREEDY = dict(temperature=0.0, stop_token_ids=())
 
