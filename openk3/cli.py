@@ -1,4 +1,4 @@
-"""The `openk3` command: info, init, train, generate, eval.
+"""The `openk3` command: info, init, train, eval, generate, chat.
 
 Each subcommand is a small function that parses its own arguments and calls into the package."""
 
@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_init)
 
-    from openk3 import train as train_mod  # noqa: F401  (registers train / generate / eval below)
-    train_mod.add_commands(sub)
+    from openk3 import engine, train
+
+    train.add_commands(sub)  # train, eval
+    engine.register_commands(sub)  # generate, chat
 
     args = parser.parse_args(argv)
     try:

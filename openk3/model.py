@@ -341,7 +341,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """-> (topk_idx [T, k], topk_w [T, k] fp32, scores [T, E] fp32)."""
-        s = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))  # fp32 router scores
+        with torch.autocast(x_TD.device.type, enabled=False):  # fp32 router scores, also under bf16 autocast
+            s = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
         idx = torch.topk(s.detach() + self.e_score_correction_bias, self.k, dim=-1).indices
         w = s.gather(-1, idx)
         if self.renorm:

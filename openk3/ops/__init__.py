@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from openk3.ops.kda import KDABackend, select_kda_backend  # noqa: F401
+from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
+
+__all__ = ["KDABackend", "MoEBackend", "moe_experts", "select_kda_backend", "select_moe_backend"]
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def naive_recurrent_kda(
     Returns:
         o: [B, T, H, V] in q's dtype; final state [N, H, K, V] fp32, or None.
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:

@@ -1,0 +1,830 @@
+"""The training loop (`openk3 train`), and the two commands that use its result (`openk3 generate`, `openk3 eval`).
+
+    openk3 train                         # tiny preset, stdlib corpus, CPU: trains, checkpoints, prints a sample
+    openk3 train --out runs/a --resume   # continue runs/a exactly where its last checkpoint left it
+    openk3 generate --model runs/a --prompt "def "
+    openk3 eval --model runs/a           # validation loss and bits per byte on the run's held-out documents
+
+One optimizer step (K3_SPEC sections 4.1 and 5):
+  1. `grad_accum` micro-batches, forward + backward; every MoE layer records its fp32 router scores and choices;
+  2. gradient clipping, learning rate = base lr x cosine schedule, Muon (Per-Head for attention Q/K/V) + AdamW;
+  3. optional QK-Clip of the MLA heads whose largest logit of the step exceeded tau;
+  4. Quantile Balancing: every router's new bias, from all the step's scores, used from the next step on.
+
+The run directory (`--out`, default `runs/<config>-<time>`):
+    train_args.json      the resolved TrainArgs (what `--resume` and `openk3 eval` rebuild the run from)
+    config.json          the resolved model config (vocabulary and token ids from the trained tokenizer)
+    tokenizer/           the BPE tokenizer trained on the training documents
+    tokens-*.npz         tokenized corpora (cache)
+    metrics.jsonl        one JSON object per logged step (keys: `METRIC_KEYS`, plus val_loss/val_bpb on eval steps)
+    plots/*.png          loss curves, expert-load heat map, AttnRes mixing weights (openk3/plots.py)
+    checkpoints/step_000300/   a release-format model dir (checkpoint.save_pretrained) + tokenizer + train_args.json
+                               + trainer_state.pt (fp32 master weights, optimizer, data position, RNG)
+    checkpoints/latest   the name of the newest complete checkpoint
+
+Resuming is exact on the CPU in fp32: the losses after `--resume` equal those of an uninterrupted run, because
+every input of a step is a function of what the checkpoint holds (weights and router biases, optimizer moments,
+the data offset, the step number that drives the schedule and the curriculum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from openk3 import balance
+from openk3.checkpoint import load_pretrained, save_pretrained
+from openk3.config import PRESETS, K3Config, get_config
+from openk3.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
+                         tokenize_corpus)
+from openk3.model import GatedMLA, K3ForCausalLM
+from openk3.optim import build_optimizer, cosine_schedule, qk_clip_mla_
+from openk3.tokenizer import Tokenizer, get_or_train_tokenizer
+
+# ------------------------------------------------------------------------------------------------- settings
+
+
+@dataclass
+class TrainArgs:
+    """Everything a run depends on. Saved as `train_args.json`; `openk3 train` flags have the same names.
+
+    The defaults are the main job: the tiny preset on the stdlib corpus in about 6 minutes on 2 CPU cores,
+    tokenizer training and data preparation included."""
+
+    config: str = "tiny"  # preset name or config.json path
+    data: str | None = None  # corpus path (file, JSONL, directory); None = the stdlib's .py files
+    vocab_size: int = 2048  # BPE vocabulary trained for the run; replaces the config's vocab_size
+    out: str | None = None  # run directory; None = runs/<config>-<time>
+    steps: int = 400
+    # 32 x 64 tokens a step: measured on the default run (400 steps, same tokens), validation loss at 256-token
+    # context 3.76 against 3.89 for 16 x 128 and 4.04 for 8 x 256: at this budget more independent rows beat
+    # longer ones.
+    batch_size: int = 32  # rows per micro-batch
+    seq_len: int = 64
+    seq_len_schedule: str | None = None  # "LEN:UNTIL_STEP,...": overrides seq_len (see parse_seq_len_schedule)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 6e-3  # peak lr of every group (optim.py matches Muon's update RMS to AdamW's)
+    warmup: float = 0.05  # fraction of the steps spent in linear warmup
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    balance: str = "quantile"  # quantile | sign | none
+    qb_bins: int = 0  # Quantile Balancing histogram bins; 0 = exact (sort every residual)
+    sign_rate: float = 1e-3  # bias step of --balance sign
+    qat: bool | None = None  # MXFP4 expert weights + MXFP8 expert inputs (fake quant); None = config.mxfp4_experts
+    qk_clip: float | None = None  # QK-Clip threshold tau for MLA; None = off
+    device: str = "cpu"
+    dtype: str = "fp32"  # fp32 | bf16 (autocast, CUDA only); parameters stay fp32
+    seed: int = 0
+    val_fraction: float = 0.02  # documents held out for validation
+    log_every: int = 10
+    eval_every: int = 100
+    eval_tokens: int = 16384  # validation tokens per evaluation during training
+    ckpt_every: int = 100
+    keep_last: int = 2  # checkpoints kept (older ones are deleted)
+    stop_at: int | None = None  # stop after this step as if interrupted; the schedule still spans `steps`
+    sample: bool = True  # print a sample at the end
+    sample_prompt: str = "def "
+    sample_tokens: int = 200
+    sample_temperature: float = 0.7
+    # torch intra-op CPU threads. NOTE: 1 by default, measured: the tiny model's ops are too small to split, and
+    # on 2 cores a step took 0.65 s with 1 thread, 1.4 s with 2, and over 50 s with 2 while another process
+    # used one core (the threads wait on each other). Raise it for bigger models.
+    threads: int = 1
+    progress: bool = True  # tqdm progress bar
+
+
+# Settings that define the math of a run: `--resume` refuses to change them.
+FIXED_ON_RESUME = ("config", "data", "vocab_size", "batch_size", "seq_len", "seq_len_schedule", "grad_accum", "lr",
+                   "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
+                   "qk_clip", "dtype", "seed", "val_fraction")
+# Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
+PER_INVOCATION = ("stop_at", "threads", "progress")
+BALANCE_MODES = ("quantile", "sign", "none")
+METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
+               "expert_load_max_over_mean", "expert_load", "attnres")
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+ARGS_FILE = "train_args.json"
+METRICS_FILE = "metrics.jsonl"
+SPLIT_SEED = 0  # the train/val split does not move with --seed, so runs with different seeds share one val set
+
+
+def check_args(a: TrainArgs) -> None:
+    """Raise ValueError naming the first bad setting."""
+    positive = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_tokens",
+                "ckpt_every", "keep_last", "vocab_size", "sample_tokens")
+    for name in positive:
+        v = getattr(a, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v!r}: must be a positive integer")
+    if a.lr <= 0:
+        raise ValueError(f"--lr={a.lr}: must be > 0")
+    if not 0 <= a.warmup < 1:
+        raise ValueError(f"--warmup={a.warmup}: a fraction of the steps in [0, 1)")
+    if not 0 <= a.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio={a.min_lr_ratio}: must be in [0, 1]")
+    if not 0 <= a.val_fraction < 1:
+        raise ValueError(f"--val-fraction={a.val_fraction}: must be in [0, 1)")
+    for name in ("weight_decay", "grad_clip", "sign_rate"):
+        if getattr(a, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 0")
+    if a.balance not in BALANCE_MODES:
+        raise ValueError(f"--balance={a.balance!r}: expected one of {BALANCE_MODES}")
+    if a.qb_bins < 0:
+        raise ValueError(f"--qb-bins={a.qb_bins}: must be >= 0 (0 = exact)")
+    if a.sample_temperature < 0:
+        raise ValueError(f"--sample-temperature={a.sample_temperature}: must be >= 0 (0 = greedy)")
+    if a.qk_clip is not None and a.qk_clip <= 0:
+        raise ValueError(f"--qk-clip={a.qk_clip}: tau must be > 0")
+    if a.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device={a.device!r}: expected cpu or cuda")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device=cuda: torch sees no CUDA device here")
+    if a.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"--dtype={a.dtype!r}: expected fp32 or bf16")
+    if a.dtype == "bf16" and a.device != "cuda":
+        raise ValueError("--dtype=bf16 runs under CUDA autocast; it needs --device cuda")
+    if a.stop_at is not None and not 1 <= a.stop_at <= a.steps:
+        raise ValueError(f"--stop-at={a.stop_at}: must be in [1, --steps={a.steps}]")
+    if a.threads < 1:
+        raise ValueError(f"--threads={a.threads}: must be >= 1")
+    if a.config not in PRESETS and not Path(a.config).is_file() and not Path(a.config, "config.json").is_file():
+        raise ValueError(f"--config={a.config!r}: not a preset {sorted(PRESETS)} and no such config file")
+    parse_seq_len_schedule(a.seq_len_schedule)
+
+
+def parse_seq_len_schedule(spec: str | None) -> list[tuple[int, int | None]]:
+    """"128:200,512:400,1024" -> [(128, 200), (512, 400), (1024, None)]: sequence length 128 for steps [0, 200),
+    512 for [200, 400), then 1024. The last phase may omit its end; its length then holds to the end of the run
+    (as it also does when the last end comes before --steps). None or "" -> []."""
+    if not spec:
+        return []
+    phases: list[tuple[int, int | None]] = []
+    parts = spec.split(",")
+    for i, part in enumerate(parts):
+        length, sep, until = part.strip().partition(":")
+        try:
+            length_i = int(length)
+            until_i = int(until) if sep else None
+        except ValueError:
+            raise ValueError(f"--seq-len-schedule={spec!r}: {part!r} is not LEN:UNTIL_STEP (two integers)") from None
+        if length_i < 1:
+            raise ValueError(f"--seq-len-schedule={spec!r}: sequence length {length_i} must be positive")
+        if until_i is None and i != len(parts) - 1:
+            raise ValueError(f"--seq-len-schedule={spec!r}: only the last phase may leave out its end step")
+        previous_end = phases[-1][1] if phases else 0
+        if until_i is not None and until_i <= previous_end:
+            raise ValueError(f"--seq-len-schedule={spec!r}: end steps must increase, got {until_i} after "
+                             f"{previous_end}")
+        phases.append((length_i, until_i))
+    return phases
+
+
+def seq_len_at(step: int, phases: list[tuple[int, int | None]], default: int) -> int:
+    """The sequence length of the 0-based optimizer step `step`."""
+    for length, until in phases:
+        if until is None or step < until:
+            return length
+    return phases[-1][0] if phases else default
+
+
+# ------------------------------------------------------------------------------------------- run directory
+
+
+def default_out(config: str) -> str:
+    name = Path(config).stem if config not in PRESETS else config
+    return str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def resolve_train_args(cli: dict, resume: bool) -> TrainArgs:
+    """TrainArgs from command-line values (None = not given). A resumed run takes its saved settings; changing one
+    that defines its math (FIXED_ON_RESUME) is an error, while --steps, logging, checkpointing and the device may
+    change; PER_INVOCATION settings always come from this command line."""
+    given = {k: v for k, v in cli.items() if v is not None}
+    if not resume:
+        return TrainArgs(**given)
+    if "out" not in given:
+        raise ValueError("--resume needs --out DIR, the run directory to continue")
+    saved_file = Path(given["out"]) / ARGS_FILE
+    if not saved_file.is_file():
+        raise FileNotFoundError(f"--resume: {given['out']} is not a run directory (no {ARGS_FILE})")
+    saved = {k: v for k, v in json.loads(saved_file.read_text()).items() if k not in PER_INVOCATION}
+    for k in FIXED_ON_RESUME:
+        if k in given and given[k] != saved[k]:
+            raise ValueError(f"--resume: cannot change --{k.replace('_', '-')} of a run ({saved[k]!r} -> "
+                             f"{given[k]!r}); start a new run instead")
+    return TrainArgs(**{**saved, **given})
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The model directory `path` names: a checkpoint (or any model) directory itself, or a run directory, which
+    names its latest checkpoint."""
+    path = Path(path)
+    latest = path / CHECKPOINTS / LATEST
+    if latest.is_file():
+        return path / CHECKPOINTS / latest.read_text().strip()
+    has_weights = (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file()
+    if (path / "config.json").is_file() and has_weights:
+        return path
+    if (path / ARGS_FILE).is_file():
+        raise FileNotFoundError(f"run directory {path} has no checkpoint yet ({CHECKPOINTS}/{LATEST})")
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is neither a model directory (config.json + safetensors weights) nor a "
+                                f"run directory")
+    raise FileNotFoundError(f"no model or run directory at {path}")
+
+
+def save_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, tokenizer: Tokenizer, args: TrainArgs,
+                    trainer_state: dict) -> Path:
+    """Write checkpoints/step_XXXXXX atomically (built under a temporary name, then renamed), point `latest` at it
+    (also atomically), and delete all but the newest `args.keep_last` checkpoints."""
+    ckpt_root = run_dir / CHECKPOINTS
+    name = f"step_{step:06d}"
+    tmp = ckpt_root / f".{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while writing
+    save_pretrained(model, tmp)
+    tokenizer.save(tmp)
+    write_json(tmp / ARGS_FILE, dataclasses.asdict(args))
+    torch.save(trainer_state, tmp / TRAINER_STATE)
+    final = ckpt_root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    write_text_atomic(ckpt_root / LATEST, name + "\n")
+    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in steps[:-args.keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop the lines logged after `last_step` (a run killed after its last checkpoint logged them; the resumed
+    run logs them again)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
+# ------------------------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class RunData:
+    tokenizer: Tokenizer
+    train: TokenizedCorpus
+    val: TokenizedCorpus | None  # None when the corpus is a single document (nothing to hold out)
+
+
+def prepare_data(args: TrainArgs, run_dir: Path) -> RunData:
+    """Load the corpus, split whole documents into train/val, train (or reuse) the run's BPE tokenizer on the
+    training documents, and tokenize both parts (cached in the run directory)."""
+    docs = load_corpus(args.data)
+    if len(docs) >= 2:
+        train_docs, val_docs = split_train_val(docs, args.val_fraction, seed=SPLIT_SEED)
+    else:
+        train_docs, val_docs = docs, []
+    tokenizer = get_or_train_tokenizer(run_dir, (d.text for d in train_docs), args.vocab_size)
+    train = tokenize_corpus(train_docs, tokenizer, cache_dir=run_dir)
+    val = tokenize_corpus(val_docs, tokenizer, cache_dir=run_dir) if val_docs else None
+    n_bytes = sum(len(d.text.encode()) for d in train_docs)
+    print(f"data: {len(train_docs)} training documents ({n_bytes / 1e6:.1f} MB, {train.num_tokens:,} tokens), "
+          f"{len(val_docs)} held out; BPE vocabulary {tokenizer.vocab_size}")
+    return RunData(tokenizer, train, val)
+
+
+class RowStreams:
+    """Training batches whose B rows come from B independent places of the corpus: row b is read from its own
+    `PackedDataset` (one row per batch) whose document order is seeded by (seed, b).
+
+    NOTE: a single PackedDataset cuts its B rows from B*T consecutive tokens of one stream, so a long file fills
+    many consecutive batches: in the default run, html/entities.py (39k tokens of one dict literal) was 19 steps
+    in a row, drove the training loss to 2.7 and then back up to 7.9 on the next file. Independent rows make
+    every batch a sample of B unrelated documents. Each row keeps its own epoch stream (int32 + bool per corpus
+    token), so memory grows with B; fine for the corpora a single-process trainer reads.
+    Same interface as PackedDataset: iterate, `seq_len` settable between batches, state_dict / load_state_dict."""
+
+    ROW_SEED_STRIDE = 2**20  # row b of run seed s uses s * stride + b: distinct for every batch size below it
+
+    def __init__(self, corpus: TokenizedCorpus, batch_size: int, seq_len: int, seed: int):
+        self.rows = [PackedDataset(corpus, 1, seq_len, seed=seed * self.ROW_SEED_STRIDE + b)
+                     for b in range(batch_size)]
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows[0].seq_len
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        for row in self.rows:
+            row.seq_len = value
+
+    def __next__(self) -> Batch:
+        """A `Batch` of B rows; cu_seqlens and seq_ids are over the flattened B*T tokens, as for one stream."""
+        parts = [next(row) for row in self.rows]
+        T = self.seq_len
+        cu_seqlens, seq_ids, segments = [], [], 0
+        for b, part in enumerate(parts):
+            cu_seqlens.append(part.cu_seqlens[:-1] + b * T)
+            seq_ids.append(part.seq_ids + segments)
+            segments += part.cu_seqlens.numel() - 1
+        cu_seqlens.append(torch.tensor([len(parts) * T]))
+        return Batch(input_ids=torch.cat([p.input_ids for p in parts]), labels=torch.cat([p.labels for p in parts]),
+                     cu_seqlens=torch.cat(cu_seqlens), seq_ids=torch.cat(seq_ids))
+
+    def state_dict(self) -> dict:
+        return {"rows": [row.state_dict() for row in self.rows]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["rows"]) != len(self.rows):
+            raise ValueError(f"cannot resume: the saved data state has {len(state['rows'])} rows per batch, this "
+                             f"run {len(self.rows)}")
+        for row, row_state in zip(self.rows, state["rows"]):
+            row.load_state_dict(row_state)
+
+
+def validation_corpus(model_dir: Path, tokenizer: Tokenizer, data: str | None) -> TokenizedCorpus:
+    """What `openk3 eval` scores: every document of `data` when given, else the held-out documents of the run
+    that trained `model_dir` (rebuilt from its train_args.json)."""
+    if data is not None:
+        return tokenize_corpus(load_corpus(data), tokenizer)
+    args_file = model_dir / ARGS_FILE
+    if not args_file.is_file():
+        raise FileNotFoundError(f"no --data given and {model_dir} has no {ARGS_FILE} to rebuild the run's "
+                                f"validation documents from")
+    saved = TrainArgs(**json.loads(args_file.read_text()))
+    docs = load_corpus(saved.data)
+    if len(docs) < 2:
+        raise ValueError(f"the run of {model_dir} trained on one document and held none out; pass --data")
+    _, val_docs = split_train_val(docs, saved.val_fraction, seed=SPLIT_SEED)
+    return tokenize_corpus(val_docs, tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------- model
+
+
+def resolve_model_config(args: TrainArgs, tokenizer: Tokenizer) -> K3Config:
+    """The preset or file config with the trained tokenizer's vocabulary size and bos/eos/pad ids."""
+    config = get_config(args.config)
+    return config.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+
+
+def autocast(args_dtype: str, device: torch.device):
+    """bf16 autocast on CUDA for --dtype bf16 (parameters and optimizer state stay fp32), else nothing.
+    The model keeps its fp32 islands (router, gates, recurrent state, AttnRes, loss) fp32 under autocast."""
+    if args_dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
+    """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
+    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
+    model_dir = find_checkpoint(path)
+    model = load_pretrained(model_dir, device=device)
+    model.set_qat(model.config.mxfp4_experts)
+    return model, Tokenizer.load(model_dir), model_dir
+
+
+# ------------------------------------------------------------------------------------------------- balancing
+
+
+class RouterBalancer:
+    """Collects every MoE layer's router scores over the micro-batches of one optimizer step and, after the
+    step, sets the new `e_score_correction_bias` (used from the next step on). Also counts expert loads.
+
+    mode quantile: `balance.quantile_balance_exact` on all the step's scores (bins == 0) or a
+    `balance.QuantileHistogram` per layer (bins > 0). mode sign: `balance.sign_update`. mode none: loads only."""
+
+    def __init__(self, model: K3ForCausalLM, mode: str, bins: int, sign_rate: float):
+        self.moes = model.moe_layers()
+        self.mode, self.bins, self.sign_rate = mode, bins, sign_rate
+        for moe in self.moes:
+            moe.record = True
+        self.begin_step()
+
+    def begin_step(self) -> None:
+        self.loads = [None] * len(self.moes)
+        self.scores: list[list[Tensor]] = [[] for _ in self.moes]
+        self.hists = ([balance.QuantileHistogram(m.gate.e_score_correction_bias, m.gate.k, self.bins)
+                       for m in self.moes] if self.mode == "quantile" and self.bins else None)
+
+    def after_forward(self) -> None:
+        """Read the router records of the micro-batch just run."""
+        for i, moe in enumerate(self.moes):
+            n = moe.gate.e_score_correction_bias.numel()
+            load = balance.expert_load(moe.last_idx, n)
+            self.loads[i] = load if self.loads[i] is None else self.loads[i] + load
+            if self.hists is not None:
+                self.hists[i].update(moe.last_scores)
+            elif self.mode == "quantile":
+                self.scores[i].append(moe.last_scores)
+
+    @torch.no_grad()
+    def end_step(self) -> list[Tensor]:
+        """Set every layer's new bias; return the step's expert loads [E] per layer."""
+        for i, moe in enumerate(self.moes):
+            bias = moe.gate.e_score_correction_bias
+            if self.mode == "quantile" and self.hists is not None:
+                self.hists[i].all_reduce_()
+                bias.copy_(self.hists[i].bias())
+            elif self.mode == "quantile":
+                bias.copy_(balance.quantile_balance_exact(torch.cat(self.scores[i]), bias, moe.gate.k))
+            elif self.mode == "sign":
+                bias.copy_(balance.sign_update(bias, self.loads[i], self.sign_rate))
+        loads = self.loads
+        self.begin_step()
+        return loads
+
+
+# --------------------------------------------------------------------------------------------------- QK-Clip
+
+
+class MLAMaxLogits:
+    """Each MLA head's largest pre-softmax logit over a step, for QK-Clip, via forward hooks on the MLA layers.
+
+    NOTE: the model does not expose its attention logits, so the hook recomputes them from the layer's own
+    `query` / `latent` / `kv_b_proj` (the expanded form, without gradients) one head at a time: B x T x T per head,
+    fine at the sizes this trainer runs on one device, not at K3's 64K contexts, where the max belongs inside the
+    attention kernel."""
+
+    def __init__(self, model: K3ForCausalLM):
+        self.layers = [l.self_attn for l in model.model.layers if isinstance(l.self_attn, GatedMLA)]
+        self.max_H = [None] * len(self.layers)
+        for i, attn in enumerate(self.layers):
+            attn.register_forward_hook(self._hook(i), with_kwargs=True)
+
+    def _hook(self, i: int):
+        @torch.no_grad()
+        def hook(attn: GatedMLA, args, kwargs, output) -> None:
+            x = args[0] if args else kwargs["x"]
+            mask = kwargs.get("mask")
+            B, T, _ = x.shape
+            if mask is None:
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+            q = attn.query(x).float()  # [B, T, H, nope + rope]
+            c, k_pe = attn.latent(x).split([attn.r, attn.rope], dim=-1)
+            k_nope = attn.kv_b_proj(c).float().unflatten(-1, (attn.H, attn.nope + attn.vd))[..., :attn.nope]
+            k_pe = k_pe.float()
+            maxima = []
+            for h in range(attn.H):
+                k = torch.cat([k_nope[:, :, h], k_pe], dim=-1)  # [B, T, nope + rope]
+                logits = (q[:, :, h] @ k.mT) * attn.scale  # [B, T, T]
+                maxima.append(logits.masked_fill(~mask[:, 0], float("-inf")).amax())
+            step_max = torch.stack(maxima)
+            self.max_H[i] = step_max if self.max_H[i] is None else torch.maximum(self.max_H[i], step_max)
+        return hook
+
+    @torch.no_grad()
+    def clip_(self, tau: float) -> None:
+        """Apply QK-Clip to every MLA layer with the step's maxima, then start a new step."""
+        for attn, max_H in zip(self.layers, self.max_H):
+            q_weight = attn.q_b_proj.weight if hasattr(attn, "q_b_proj") else attn.q_proj.weight
+            qk_clip_mla_(q_weight, attn.kv_b_proj.weight, max_H, tau, qk_nope_head_dim=attn.nope,
+                         qk_rope_head_dim=attn.rope, v_head_dim=attn.vd)
+        self.max_H = [None] * len(self.layers)
+
+
+# ------------------------------------------------------------------------------------ evaluation and sampling
+
+
+@torch.no_grad()
+def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, tokenizer: Tokenizer, *, batch_size: int, seq_len: int,
+             max_tokens: int | None = None, amp: str = "fp32") -> dict:
+    """Validation loss (nats per predicted token) and bits per byte over the start of `corpus` in document order.
+
+    Predicted tokens: every token of the stream after position 0 that its predecessor predicts, i.e. each
+    document's text tokens and its EOS, up to `max_tokens` of them (None = the whole corpus).
+    bpb = total nats / ln 2 / the UTF-8 bytes of the predicted tokens' text (EOS has no bytes).
+    NOTE: a row start sees no earlier context (the packing resets at rows), exactly as in training."""
+    device = model.lm_head.weight.device
+    data = PackedDataset(corpus, batch_size, seq_len, shuffle=False)
+    n = corpus.num_tokens - 1 if max_tokens is None else min(max_tokens, corpus.num_tokens - 1)
+    nats, count = 0.0, 0
+    while data.offset < n:
+        start = data.offset
+        batch = next(data)
+        labels = batch.labels.view(-1).clone()
+        labels[start + torch.arange(labels.numel()) >= n] = IGNORE_INDEX  # past the evaluated span
+        labels = labels.view_as(batch.labels)
+        valid = int((labels != IGNORE_INDEX).sum())
+        if valid == 0:
+            continue
+        with autocast(amp, device):
+            out = model(batch.input_ids.to(device), labels=labels.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+        nats += float(out.loss) * valid
+        count += valid
+    # The predicted tokens are stream tokens 1..n (shuffle=False: the stream is the corpus in order).
+    n_bytes = len(tokenizer.decode(corpus.tokens[1:n + 1].tolist(), skip_special=True).encode("utf-8"))
+    return {"loss": nats / count, "bpb": nats / math.log(2) / max(n_bytes, 1), "tokens": count, "bytes": n_bytes}
+
+
+def generate(model: K3ForCausalLM, tokenizer: Tokenizer, prompt: str, *, max_tokens: int = 200,
+             temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> list[int]:
+    """Sample up to `max_tokens` token ids after [BOS] + prompt through the inference engine, stopping at EOS
+    (not returned). temperature 0 = greedy."""
+    from openk3.engine import Engine, SamplingParams
+
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: must be >= 1")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k or 0, seed=seed,
+                            stop_token_ids=(tokenizer.eos_id,))
+    (req,) = Engine(model).generate([[tokenizer.bos_id] + tokenizer.encode(prompt)], params)
+    return req.completion_ids
+
+
+# -------------------------------------------------------------------------------------------- the training loop
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)  # the training loss of every step this call ran
+    final_eval: dict | None = None
+    sample: str | None = None
+    wall_s: float = 0.0
+
+
+def train(args: TrainArgs, resume: bool = False) -> TrainResult:
+    """Run (or with `resume`, continue) a training run; see the module docstring."""
+    t_start = time.time()
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    run_dir = Path(args.out or default_out(args.config))
+    args = dataclasses.replace(args, out=str(run_dir))
+    latest = run_dir / CHECKPOINTS / LATEST
+    if resume and not latest.is_file():
+        raise FileNotFoundError(f"--resume: {run_dir} has no checkpoint to resume from ({CHECKPOINTS}/{LATEST})")
+    if not resume and latest.is_file():
+        raise ValueError(f"--out={run_dir} already holds a run with checkpoints; pass --resume to continue it or "
+                         f"choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run directory: {run_dir}")
+
+    data = prepare_data(args, run_dir)
+    if resume:
+        config = K3Config.load(run_dir / "config.json")
+    else:
+        config = resolve_model_config(args, data.tokenizer)
+        config.save(run_dir / "config.json")
+    write_json(run_dir / ARGS_FILE, dataclasses.asdict(args))
+
+    torch.manual_seed(args.seed)
+    model = K3ForCausalLM(config)
+    model.reset_parameters(seed=args.seed)
+    model.to(device)
+    qat = config.mxfp4_experts if args.qat is None else args.qat
+    model.set_qat(qat)
+    lac = config.linear_attn_config
+    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
+                          head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
+                                     "mla_kv": config.qk_nope_head_dim + config.v_head_dim})
+    stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed)
+    balancer = RouterBalancer(model, args.balance, args.qb_bins, args.sign_rate)
+    max_logits = MLAMaxLogits(model) if args.qk_clip is not None else None
+    phases = parse_seq_len_schedule(args.seq_len_schedule)
+
+    step, tokens_seen, elapsed_before = 0, 0, 0.0
+    if resume:
+        ckpt = run_dir / CHECKPOINTS / latest.read_text().strip()
+        state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        stream.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if device.type == "cuda" and state["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+        step, tokens_seen, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
+        truncate_metrics(run_dir / METRICS_FILE, step)
+        print(f"resumed from {ckpt} at step {step}")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.config}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers; "
+          f"QAT {'on' if qat else 'off'}; balance {args.balance}; device {device} {args.dtype}")
+
+    end = args.stop_at or args.steps
+    result = TrainResult(run_dir)
+    bar = tqdm(total=end, initial=step, disable=not args.progress, dynamic_ncols=True, file=sys.stderr,
+               desc="train")
+    t_run = time.time()
+    interval_s, interval_tokens, tok_s = 0.0, 0, 0.0  # training time and tokens since the last log (no eval, no I/O)
+
+    def trainer_state() -> dict:
+        return {"step": step, "tokens": tokens_seen, "elapsed_s": elapsed_before + time.time() - t_run,
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "data": stream.state_dict(),
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}}
+
+    while step < end:
+        t_step = time.time()
+        lr_scale = cosine_schedule(step, args.steps, args.warmup, args.min_lr_ratio)
+        opt.set_lr_scale(lr_scale)
+        stream.seq_len = seq_len_at(step, phases, args.seq_len)
+        eval_now = data.val is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+        log_now = (step + 1) % args.log_every == 0 or step == 0 or step + 1 == end or eval_now
+        loss_sum = 0.0
+        for micro in range(args.grad_accum):
+            # AttnRes weights are recorded on the last micro-batch of logged steps only (a cheap extra output).
+            model.record_attnres = log_now and micro == args.grad_accum - 1
+            batch = next(stream).to(device)
+            with autocast(args.dtype, device):
+                out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
+            (out.loss / args.grad_accum).backward()
+            loss_sum += out.loss.item()
+            balancer.after_forward()
+            tokens_seen += batch.input_ids.numel()
+            interval_tokens += batch.input_ids.numel()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                         args.grad_clip if args.grad_clip > 0 else float("inf")))
+        opt.step()
+        opt.zero_grad()
+        if max_logits is not None:
+            max_logits.clip_(args.qk_clip)
+        loads = balancer.end_step()  # the new router biases apply from the next step
+        step += 1
+        loss = loss_sum / args.grad_accum
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"the training loss is {loss} at step {step}; lower --lr or raise --warmup")
+        result.losses.append(loss)
+        interval_s += time.time() - t_step
+
+        if log_now:
+            tok_s = interval_tokens / max(interval_s, 1e-9)
+            interval_s, interval_tokens = 0.0, 0
+            record = {"step": step, "tokens": tokens_seen, "loss": loss, "lr": args.lr * lr_scale,
+                      "grad_norm": grad_norm, "tokens_per_s": tok_s, "seq_len": stream.seq_len,
+                      "elapsed_s": elapsed_before + time.time() - t_run, **router_metrics(model, loads),
+                      "attnres": attnres_metrics(model)}
+            if eval_now:
+                ev = evaluate(model, data.val, data.tokenizer, batch_size=args.batch_size, seq_len=stream.seq_len,
+                              max_tokens=args.eval_tokens, amp=args.dtype)
+                record.update(val_loss=ev["loss"], val_bpb=ev["bpb"])
+                result.final_eval = ev
+                bar.write(f"step {step}: train loss {loss:.4f}, val loss {ev['loss']:.4f}, val bpb {ev['bpb']:.4f}")
+            with open(run_dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{args.lr * lr_scale:.2e}", refresh=False)
+        bar.update(1)
+        if step % args.ckpt_every == 0 or step == end:
+            save_checkpoint(run_dir, step, model, data.tokenizer, args, trainer_state())
+            from openk3 import plots  # matplotlib costs a second to import: only once there is something to draw
+
+            plots.plot_run(run_dir)  # 0.3 s
+    bar.close()
+    model.record_attnres = False
+    for moe in model.moe_layers():
+        moe.record = False
+
+    if args.sample and step == args.steps:
+        ids = generate(model, data.tokenizer, args.sample_prompt, max_tokens=args.sample_tokens,
+                       temperature=args.sample_temperature, seed=args.seed)
+        result.sample = args.sample_prompt + data.tokenizer.decode(ids)
+    result.wall_s = time.time() - t_start
+    print_summary(result, step, args)
+    return result
+
+
+def router_metrics(model: K3ForCausalLM, loads: list[Tensor]) -> dict:
+    """Keyed by decoder layer index, for each MoE layer: max/mean expert load, and every expert's load / mean (the
+    heat map)."""
+    layers = [str(l.i) for l in model.model.layers if hasattr(l, "block_sparse_moe")]
+    return {"expert_load_max_over_mean": {i: balance.load_stats(l)["max_over_mean"] for i, l in zip(layers, loads)},
+            "expert_load": {i: [round(float(x), 4) for x in l.double() / l.double().mean()]
+                            for i, l in zip(layers, loads)}}
+
+
+def attnres_metrics(model: K3ForCausalLM) -> dict | None:
+    """{"<layer>.attn" | "<layer>.mlp" | "output": mean mixing weight of each source} of the last recorded forward;
+    None when the config has no AttnRes. Sources: 0 = embedding, then the completed blocks, last = the partial block."""
+    if not model.config.attn_res:
+        return None
+    out = {}
+    for layer in model.model.layers:
+        weights = layer.res_weights
+        names = ["attn", "mlp"] if len(weights) == 2 else ["mlp"]  # layer 0 has nothing to mix before its mixer
+        for name, w in zip(names, weights):
+            out[f"{layer.i}.{name}"] = [round(float(x), 4) for x in w]
+    out["output"] = [round(float(x), 4) for x in model.output_res_weights]
+    return out
+
+
+def print_summary(result: TrainResult, step: int, args: TrainArgs) -> None:
+    print(f"\nstopped at step {step} of {args.steps}" if step < args.steps else f"\ntrained {step} steps")
+    if result.losses:
+        print(f"final training loss {result.losses[-1]:.4f}")
+    if result.final_eval is not None:
+        ev = result.final_eval
+        print(f"validation: loss {ev['loss']:.4f}, {ev['bpb']:.4f} bits per byte "
+              f"({ev['tokens']:,} tokens, {ev['bytes']:,} bytes)")
+    print(f"checkpoints, metrics and plots in {result.run_dir}")
+    if result.sample is not None:
+        print(f"\n---- sample (prompt {args.sample_prompt!r}, temperature {args.sample_temperature}) ----\n"
+              f"{result.sample}\n----")
+    print(f"total wall time {result.wall_s:.0f} s")
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `train` and `eval` on the `openk3` parser (`generate` and `chat` are the engine's)."""
+    d = TrainArgs()
+    # Every default is None here, the real one in [brackets]: resolve_train_args tells given flags from defaults
+    # (a resumed run keeps its own settings).
+    p = sub.add_parser("train", help="train a model (default: tiny preset on the stdlib, CPU, about 5 minutes)")
+    p.add_argument("--config", help=f"preset {sorted(PRESETS)} or config.json path [{d.config}]")
+    p.add_argument("--data", help="corpus: a file, a .jsonl file or a directory [the stdlib's .py files]")
+    p.add_argument("--vocab-size", type=int, help=f"BPE vocabulary size trained for the run [{d.vocab_size}]")
+    p.add_argument("--out", help="run directory [runs/<config>-<time>]")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--steps", type=int, help=f"optimizer steps [{d.steps}]")
+    p.add_argument("--stop-at", type=int, help="stop after this step (checkpointed) as if interrupted")
+    p.add_argument("--batch-size", type=int, help=f"rows per micro-batch [{d.batch_size}]")
+    p.add_argument("--seq-len", type=int, help=f"tokens per row [{d.seq_len}]")
+    p.add_argument("--seq-len-schedule", help="curriculum LEN:UNTIL_STEP,...,LEN e.g. 128:200,512")
+    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step [{d.grad_accum}]")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW [{d.lr}]")
+    p.add_argument("--warmup", type=float, help=f"warmup as a fraction of --steps [{d.warmup}]")
+    p.add_argument("--min-lr-ratio", type=float, help=f"final lr / peak lr of the cosine [{d.min_lr_ratio}]")
+    p.add_argument("--weight-decay", type=float, help=f"[{d.weight_decay}]")
+    p.add_argument("--grad-clip", type=float, help=f"max gradient norm, 0 = off [{d.grad_clip}]")
+    p.add_argument("--balance", choices=BALANCE_MODES, help=f"router bias update [{d.balance}]")
+    p.add_argument("--qb-bins", type=int, help=f"Quantile Balancing histogram bins, 0 = exact [{d.qb_bins}]")
+    p.add_argument("--sign-rate", type=float, help=f"bias step of --balance sign [{d.sign_rate}]")
+    p.add_argument("--qat", action=argparse.BooleanOptionalAction, default=None,
+                   help="MXFP4 expert weights + MXFP8 expert inputs, straight-through [on when the config stores "
+                        "MXFP4 experts]")
+    p.add_argument("--qk-clip", type=float, metavar="TAU", help="QK-Clip threshold for MLA logits [off]")
+    p.add_argument("--device", choices=("cpu", "cuda"), help=f"[{d.device}]")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help=f"bf16 = CUDA autocast [{d.dtype}]")
+    p.add_argument("--seed", type=int, help=f"[{d.seed}]")
+    p.add_argument("--val-fraction", type=float, help=f"documents held out for validation [{d.val_fraction}]")
+    p.add_argument("--log-every", type=int, help=f"[{d.log_every}]")
+    p.add_argument("--eval-every", type=int, help=f"[{d.eval_every}]")
+    p.add_argument("--eval-tokens", type=int, help=f"validation tokens per evaluation [{d.eval_tokens}]")
+    p.add_argument("--ckpt-every", type=int, help=f"[{d.ckpt_every}]")
+    p.add_argument("--keep-last", type=int, help=f"checkpoints kept [{d.keep_last}]")
+    p.add_argument("--no-sample", dest="sample", action="store_false", default=None, help="skip the final sample")
+    p.add_argument("--sample-prompt", help=f"[{d.sample_prompt!r}]")
+    p.add_argument("--sample-tokens", type=int, help=f"[{d.sample_tokens}]")
+    p.add_argument("--sample-temperature", type=float, help=f"[{d.sample_temperature}]")
+    p.add_argument("--threads", type=int, help=f"torch CPU threads [{d.threads}]")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss and bits per byte of a trained model")
+    p.add_argument("--model", required=True, help="checkpoint directory or run directory (its latest checkpoint)")
+    p.add_argument("--data", default=None, help="corpus to score [the run's held-out documents]")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens [all]")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_eval)
+
+
+def cmd_train(ns: argparse.Namespace) -> None:
+    cli = {k: v for k, v in vars(ns).items() if k not in ("fn", "command", "resume")}
+    train(resolve_train_args(cli, ns.resume), resume=ns.resume)
+
+
+def cmd_eval(ns: argparse.Namespace) -> None:
+    for name in ("batch_size", "seq_len", "max_tokens"):
+        v = getattr(ns, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v}: must be positive")
+    model, tokenizer, model_dir = load_for_inference(ns.model, ns.device)
+    corpus = validation_corpus(model_dir, tokenizer, ns.data)
+    ev = evaluate(model, corpus, tokenizer, batch_size=ns.batch_size, seq_len=ns.seq_len, max_tokens=ns.max_tokens)
+    if ns.json:
+        print(json.dumps({"model": str(model_dir), **ev}))
+    else:
+        print(f"{model_dir}: loss {ev['loss']:.4f} nats/token, {ev['bpb']:.4f} bits per byte "
+              f"({ev['tokens']:,} tokens, {ev['bytes']:,} bytes)")
