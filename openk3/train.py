@@ -1,4 +1,4 @@
-"""The training loop (`openk3 train`), and the two commands that use its result (`openk3 generate`, `openk3 eval`).
+"""The training loop (`openk3 train`) and `openk3 eval`; `openk3 generate` (engine.py) samples from the result.
 
     openk3 train                         # tiny preset, stdlib corpus, CPU: trains, checkpoints, prints a sample
     openk3 train --out runs/a --resume   # continue runs/a exactly where its last checkpoint left it
