@@ -7,10 +7,7 @@ from openk3.cache import (KDAState, PagedSeq, PagePool, PrefixCache, cache_bytes
                           new_kda_states, paged_cache, rollback_kda, select_kda_rows)
 from openk3.config import K3Config, kimi_k3, tiny
 from openk3.model import K3ForCausalLM, KimiDeltaAttention
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+from tests.helpers import rel_err
 
 
 def small_config(family: str = "k3") -> K3Config:

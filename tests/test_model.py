@@ -5,10 +5,7 @@ import torch
 
 from openk3.config import tiny
 from openk3.model import GatedMLA, K3Cache, K3ForCausalLM, segment_positions
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+from tests.helpers import rel_err
 
 
 def kimi_linear_tiny():

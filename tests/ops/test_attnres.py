@@ -4,10 +4,7 @@ import pytest
 import torch
 
 from openk3.ops.attnres import attnres_mix
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel_norm_err
 
 
 def random_inputs(S: int, shape: tuple[int, ...], dtype=torch.float32, seed: int = 0):
@@ -35,15 +32,15 @@ def test_matches_hand_computation():
         exps = [math.exp(z - top) for z in logits]
         probs = [e / sum(exps) for e in exps]
         expected = [sum(probs[j] * V[j][t][d] for j in range(S)) for d in range(D)]
-        assert rel_err(out[t], torch.tensor(expected)) < 1e-6
-        assert rel_err(weights[:, t], torch.tensor(probs)) < 1e-6
+        assert rel_norm_err(out[t], torch.tensor(expected)) < 1e-6
+        assert rel_norm_err(weights[:, t], torch.tensor(probs)) < 1e-6
 
 
 def test_zero_pseudo_query_gives_uniform_average():
     sources, norm_weight, _ = random_inputs(4, (3, 7, 33))
     out, weights = attnres_mix(sources, norm_weight, torch.zeros(1, 33), 1e-5, return_weights=True)
     assert torch.equal(weights, torch.full_like(weights, 0.25))
-    assert rel_err(out, sources.mean(0)) < 1e-6
+    assert rel_norm_err(out, sources.mean(0)) < 1e-6
 
 
 def test_list_and_stacked_sources_agree_and_proj_shapes_agree():
@@ -58,13 +55,13 @@ def test_weights_are_a_softmax_over_sources_and_ignore_source_scale():
     sources, norm_weight, proj_weight = random_inputs(6, (11, 24))
     _, weights = attnres_mix(sources, norm_weight, proj_weight, 1e-8, return_weights=True)
     assert weights.shape == (6, 11) and weights.dtype == torch.float32
-    assert rel_err(weights.sum(0), torch.ones(11)) < 1e-6
+    assert rel_norm_err(weights.sum(0), torch.ones(11)) < 1e-6
     # Keys are RMS-normalised, so rescaling one source changes the output but not its weight.
     rescaled = sources.clone()
     rescaled[2] *= 1000.0
     out_rescaled, weights_rescaled = attnres_mix(rescaled, norm_weight, proj_weight, 1e-8, return_weights=True)
-    assert rel_err(weights_rescaled, weights) < 1e-5
-    assert rel_err(out_rescaled, attnres_mix(sources, norm_weight, proj_weight, 1e-8)) > 1.0
+    assert rel_norm_err(weights_rescaled, weights) < 1e-5
+    assert rel_norm_err(out_rescaled, attnres_mix(sources, norm_weight, proj_weight, 1e-8)) > 1.0
 
 
 def test_gradients_by_finite_differences():

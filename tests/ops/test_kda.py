@@ -10,14 +10,9 @@ import torch.nn.functional as F
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda, select_kda_backend
 from openk3.ops.kda.backend import BACKEND_ENV
 from openk3.ops.kda.naive import l2norm
+from tests.helpers import rel_err
 
 H, K, V = 2, 16, 12
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in float64."""
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def make_inputs(B: int, T: int, N: int | None = None, decay: str = "bounded", dtype=torch.float32,

@@ -4,10 +4,7 @@ import torch
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
 from openk3.ops.mxfp import fake_quant_mxfp4
 from openk3.ops.situ import situ_glu, swiglu
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel_norm_err
 
 
 def random_moe(T: int, D: int, F: int, E: int, K: int, used_experts: list[int], dtype=torch.float32, seed: int = 0):
@@ -42,7 +39,7 @@ def test_loop_matches_per_token_hand_computation(act):
     x = inputs[0] * 3  # push the activations out of their near-linear range
     y = moe_experts_loop(x, *inputs[1:], act)
     assert y.dtype == torch.float32 and y.shape == (7, 12)
-    assert rel_err(y, hand_computed(x, *inputs[1:], act)) < 1e-6
+    assert rel_norm_err(y, hand_computed(x, *inputs[1:], act)) < 1e-6
 
 
 CASES = [
@@ -67,10 +64,10 @@ def test_grouped_matches_loop_forward_and_backward(T, E, K, used, dtype, tol):
         results.append((y, [t.grad for t in leaves if t.is_floating_point()]))
     (y_loop, grads_loop), (y_grouped, grads_grouped) = results
     assert y_grouped.dtype == dtype
-    assert rel_err(y_grouped, y_loop) < tol
+    assert rel_norm_err(y_grouped, y_loop) < tol
     names = ["x", "topk_w", "w1", "w2", "w3"]
     for name, g_grouped, g_loop in zip(names, grads_grouped, grads_loop):
-        assert rel_err(g_grouped, g_loop) < tol, name
+        assert rel_norm_err(g_grouped, g_loop) < tol, name
     # Experts that received no tokens get exactly zero weight gradient from both.
     unused = [e for e in range(E) if e not in used]
     for g in grads_grouped[2:]:
@@ -83,9 +80,9 @@ def test_weight_fn_is_applied_to_all_three_weights():
     y_grouped = moe_experts_grouped(x, topk_idx, topk_w, w1, w2, w3, swiglu, weight_fn=fake_quant_mxfp4)
     quantized = [fake_quant_mxfp4(w) for w in (w1, w2, w3)]
     y_prequantized = moe_experts_loop(x, topk_idx, topk_w, *quantized, swiglu)
-    assert rel_err(y_loop, y_prequantized) < 1e-6
-    assert rel_err(y_grouped, y_prequantized) < 1e-5
-    assert rel_err(y_loop, moe_experts_loop(x, topk_idx, topk_w, w1, w2, w3, swiglu)) > 1e-2
+    assert rel_norm_err(y_loop, y_prequantized) < 1e-6
+    assert rel_norm_err(y_grouped, y_prequantized) < 1e-5
+    assert rel_norm_err(y_loop, moe_experts_loop(x, topk_idx, topk_w, w1, w2, w3, swiglu)) > 1e-2
 
 
 def test_grouped_mm_support_is_reported_not_silently_replaced():

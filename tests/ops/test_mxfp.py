@@ -10,13 +10,10 @@ from openk3.ops.mxfp import (
     quantize_mxfp4,
     unpack_e2m1,
 )
+from tests.helpers import rel_norm_err
 
 NAN = float("nan")
 INF = float("inf")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def one_block(values: list[float], fill: float = 0.0) -> torch.Tensor:
@@ -140,7 +137,7 @@ def test_nan_and_inf_make_the_block_nan(bad):
 
 def test_gaussian_relative_error():
     w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2))
-    err = rel_err(fake_quant_mxfp4(w), w)
+    err = rel_norm_err(fake_quant_mxfp4(w), w)
     # Round-to-nearest on this grid gives about 0.12 for Gaussian blocks of 32.
     assert 0.05 < err < 0.15
 
@@ -169,7 +166,7 @@ def test_mxfp8_error_bound_and_saturation():
     q = fake_quant_mxfp8(x)
     assert q.dtype == torch.float32
     # About 0.03: three mantissa bits, plus saturation of the top of each block.
-    assert 0.01 < rel_err(q, x) < 0.04
+    assert 0.01 < rel_norm_err(q, x) < 0.04
     # With p = 2^floor(log2(block amax)), elements are scaled by 2^8 / p. Those in [p/64, 1.75p]
     # land on E4M3 normals (relative error <= 2^-4); those above 1.75p saturate to +-1.75p.
     amax = x.reshape(16, -1, 32).abs().amax(-1, keepdim=True).repeat_interleave(32, -1).reshape(16, 256)

@@ -2,10 +2,7 @@ import pytest
 import torch
 
 from openk3.ops.situ import situ_glu, swiglu
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel_norm_err
 
 
 def situ_reference(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -16,8 +13,8 @@ def situ_reference(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: f
 def test_situ_matches_float64_formula():
     torch.manual_seed(0)
     g, u = 6 * torch.randn(2, 37, 53), 40 * torch.randn(2, 37, 53)
-    assert rel_err(situ_glu(g, u), situ_reference(g, u, 4.0, 25.0)) < 1e-6
-    assert rel_err(situ_glu(g, u, beta=1.5, linear_beta=7.0), situ_reference(g, u, 1.5, 7.0)) < 1e-6
+    assert rel_norm_err(situ_glu(g, u), situ_reference(g, u, 4.0, 25.0)) < 1e-6
+    assert rel_norm_err(situ_glu(g, u, beta=1.5, linear_beta=7.0), situ_reference(g, u, 1.5, 7.0)) < 1e-6
 
 
 @pytest.mark.parametrize("beta, linear_beta", [(4.0, 25.0), (2.0, 3.0)])
@@ -40,13 +37,13 @@ def test_situ_output_is_bounded(beta, linear_beta):
 def test_situ_matches_swiglu_to_first_order_near_zero():
     torch.manual_seed(2)
     g, u = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
-    err_coarse = rel_err(situ_glu(0.1 * g, 0.1 * u), swiglu(0.1 * g, 0.1 * u))
-    err_fine = rel_err(situ_glu(0.01 * g, 0.01 * u), swiglu(0.01 * g, 0.01 * u))
+    err_coarse = rel_norm_err(situ_glu(0.1 * g, 0.1 * u), swiglu(0.1 * g, 0.1 * u))
+    err_fine = rel_norm_err(situ_glu(0.01 * g, 0.01 * u), swiglu(0.01 * g, 0.01 * u))
     # The difference is third order, so the relative error shrinks like the scale squared.
     assert err_fine < 1e-4
     assert err_fine < 0.02 * err_coarse
     # Far from zero they differ: SiTU clamps.
-    assert rel_err(situ_glu(20 * g, 20 * u), swiglu(20 * g, 20 * u)) > 0.3
+    assert rel_norm_err(situ_glu(20 * g, 20 * u), swiglu(20 * g, 20 * u)) > 0.3
 
 
 @pytest.mark.parametrize("fn", [situ_glu, swiglu])
