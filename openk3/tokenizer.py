@@ -171,6 +171,18 @@ class Tokenizer(ABC):
             return load_tiktoken(directory / TIKTOKEN_FILE, special_names)
         raise FileNotFoundError(f"no tokenizer in {directory}: expected {BPE_FILE} or {TIKTOKEN_FILE}")
 
+    @staticmethod
+    def from_path(path: str | Path) -> Tokenizer:
+        """A tokenizer directory (see `load`), a `tokenizer.json`, or a release-style `tiktoken.model` file."""
+        path = Path(path)
+        if path.is_dir():
+            return Tokenizer.load(path)
+        if path.name == BPE_FILE:
+            return Tokenizer.load(path.parent)
+        if path.is_file():
+            return load_tiktoken(path)
+        raise FileNotFoundError(f"no tokenizer at {path}")
+
 
 # ---------------------------------------------------------------------------------------------
 # Byte-level BPE (HF tokenizers), trained here

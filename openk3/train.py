@@ -14,7 +14,7 @@ One optimizer step (K3_SPEC sections 4.1 and 5):
 The run directory (`--out`, default `runs/<config>-<time>`):
     train_args.json      the resolved TrainArgs (what `--resume` and `openk3 eval` rebuild the run from)
     config.json          the resolved model config (vocabulary and token ids from the trained tokenizer)
-    tokenizer/           the BPE tokenizer trained on the training documents
+    tokenizer/           the tokenizer: a BPE trained on the training documents, or the one given by --tokenizer
     tokens-*.npz         tokenized corpora (cache)
     metrics.jsonl        one JSON object per logged step (keys: `METRIC_KEYS`, plus val_loss/val_bpb on eval steps)
     plots/*.png          loss curves, expert-load heat map, AttnRes mixing weights (openk3/plots.py)
@@ -67,6 +67,7 @@ class TrainArgs:
     config: str = "tiny"  # preset name or config.json path
     data: str | None = None  # corpus path (file, JSONL, directory); None = the stdlib's .py files
     vocab_size: int = 2048  # BPE vocabulary trained for the run; replaces the config's vocab_size
+    tokenizer: str | None = None  # use this tokenizer (dir, tokenizer.json or tiktoken.model) instead of training one
     out: str | None = None  # run directory; None = runs/<config>-<time>
     steps: int = 400
     # 32 x 64 tokens a step: measured on the default run (400 steps, same tokens), validation loss at 256-token
@@ -108,7 +109,7 @@ class TrainArgs:
 
 
 # Settings that define the math of a run: `--resume` refuses to change them.
-FIXED_ON_RESUME = ("config", "data", "vocab_size", "batch_size", "seq_len", "seq_len_schedule", "grad_accum", "lr",
+FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "batch_size", "seq_len", "seq_len_schedule", "grad_accum", "lr",
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
@@ -310,12 +311,16 @@ def prepare_data(args: TrainArgs, run_dir: Path) -> RunData:
         train_docs, val_docs = split_train_val(docs, args.val_fraction, seed=SPLIT_SEED)
     else:
         train_docs, val_docs = docs, []
-    tokenizer = get_or_train_tokenizer(run_dir, (d.text for d in train_docs), args.vocab_size)
+    if args.tokenizer is not None:  # e.g. the release's tiktoken.model for a K3-vocabulary model
+        tokenizer = Tokenizer.from_path(args.tokenizer)
+        tokenizer.save(run_dir / "tokenizer")
+    else:
+        tokenizer = get_or_train_tokenizer(run_dir, (d.text for d in train_docs), args.vocab_size)
     train = tokenize_corpus(train_docs, tokenizer, cache_dir=run_dir)
     val = tokenize_corpus(val_docs, tokenizer, cache_dir=run_dir) if val_docs else None
     n_bytes = sum(len(d.text.encode()) for d in train_docs)
     print(f"data: {len(train_docs)} training documents ({n_bytes / 1e6:.1f} MB, {train.num_tokens:,} tokens), "
-          f"{len(val_docs)} held out; BPE vocabulary {tokenizer.vocab_size}")
+          f"{len(val_docs)} held out; vocabulary {tokenizer.vocab_size}")
     return RunData(tokenizer, train, val)
 
 
@@ -762,6 +767,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help=f"preset {sorted(PRESETS)} or config.json path [{d.config}]")
     p.add_argument("--data", help="corpus: a file, a .jsonl file or a directory [the stdlib's .py files]")
     p.add_argument("--vocab-size", type=int, help=f"BPE vocabulary size trained for the run [{d.vocab_size}]")
+    p.add_argument("--tokenizer", help="use this tokenizer (a directory, tokenizer.json or a release-style "
+                                       "tiktoken.model) instead of training a BPE")
     p.add_argument("--out", help="run directory [runs/<config>-<time>]")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--steps", type=int, help=f"optimizer steps [{d.steps}]")

@@ -326,3 +326,20 @@ def test_qk_clip_brings_max_logit_to_tau():
     model(ids)
     after = recorder.max_H[0]
     assert torch.allclose(after, torch.full_like(after, tau), rtol=1e-4), (before, after, tau)
+
+
+def test_train_with_a_release_style_tiktoken_file(workdir):
+    """--tokenizer takes a tiktoken.model (the release format) instead of training a BPE; the model's vocabulary
+    and special ids come from it (256 reserved ids after the ranks, bos/eos/pad at offsets 0/2/255)."""
+    import base64
+
+    ranks = [bytes([b]) for b in range(256)] + [b"de", b"def", b" def", b"  ", b"    ", b"im", b"import"]
+    path = workdir / "tiktoken.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    result = train(args_for(workdir, "tiktoken-run", steps=2, tokenizer=str(path), ckpt_every=2, eval_every=2))
+    config = K3Config.load(result.run_dir / "config.json")
+    n = len(ranks)
+    assert config.vocab_size == n + 256
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (n, n + 2, n + 255)
+    assert Tokenizer.load(result.run_dir / "tokenizer").encode("import") == [n - 1]
+    assert all(math.isfinite(x) for x in result.losses)
