@@ -70,10 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_init)
 
-    from openk3 import engine, train
+    from openk3 import engine, server, train
 
     train.add_commands(sub)  # train, eval
     engine.register_commands(sub)  # generate, chat
+    server.register_commands(sub)  # serve
 
     args = parser.parse_args(argv)
     try:

@@ -158,7 +158,9 @@ class StepOutput:
 def filtered_probs(logits_V: Tensor, params: SamplingParams) -> Tensor:
     """The distribution a sampled (temperature > 0) request draws from, fp32 [V]: softmax(logits / temperature),
     kept to the top_k most likely tokens, then to the smallest most-likely set whose mass reaches top_p."""
-    probs = torch.softmax(logits_V.float() / params.temperature, dim=-1)
+    # NOTE: float64 and the max subtracted first: a tiny temperature (1e-300 is 0 in fp32) would otherwise give inf/inf
+    logits_V = logits_V.double()
+    probs = torch.softmax((logits_V - logits_V.max()) / params.temperature, dim=-1).float()
     if params.top_k == 0 and params.top_p >= 1:
         return probs
     sorted_p, order = probs.sort(descending=True)
@@ -169,6 +171,7 @@ def filtered_probs(logits_V: Tensor, params: SamplingParams) -> Tensor:
     sorted_p = sorted_p / sorted_p.sum()
     # a token stays if the mass of the tokens before it is still below top_p (so the first always stays)
     keep &= (sorted_p.cumsum(0) - sorted_p) < params.top_p
+    keep[0] = True  # NOTE: a tiny top_p (1e-300 is 0 in fp32) must still keep the most likely token
     sorted_p = sorted_p * keep
     return torch.zeros_like(probs).scatter(0, order, sorted_p / sorted_p.sum())
 

@@ -352,3 +352,15 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
     shown = capsys.readouterr().out
     cached = [int(line.split("[")[1].split("/")[0]) for line in shown.splitlines() if "prefix cache" in line]
     assert cached[0] == 0 and cached[1] > 0
+
+
+def test_extreme_sampling_parameters_stay_finite():
+    """A tiny temperature is the greedy limit and a tiny top_p keeps the most likely token: no NaN, no empty set."""
+    from openk3.engine import SamplingParams, filtered_probs
+
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 5
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(top_p=1e-300),
+                   SamplingParams(temperature=1e-300, top_p=1e-300, top_k=3)):
+        p = filtered_probs(logits, params)
+        assert torch.isfinite(p).all() and p.sum().item() == pytest.approx(1.0)
+        assert p.argmax().item() == logits.argmax().item() and p.max().item() == pytest.approx(1.0)

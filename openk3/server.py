@@ -1,0 +1,762 @@
+"""An OpenAI-compatible HTTP server on the inference engine: `openk3 serve --model DIR`.
+
+    app = create_app(engine, tokenizer, "k3-tiny", api_key=None)   # a FastAPI app (testable without a socket)
+    server = Server(app).start()                                    # uvicorn on a thread, 127.0.0.1, a free port
+    ... OpenAI(base_url=server.url + "/v1", api_key="-") ...
+    server.stop()                                                   # finishes in-flight requests first
+
+Routes: POST /v1/chat/completions and /v1/completions (streaming as server-sent events or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus text format).
+
+One background thread (`EngineLoop`) runs `engine.step()` while the engine has work; every request handler submits
+its prompt and waits on its own asyncio queue, which the engine thread fills through `loop.call_soon_threadsafe`.
+So all concurrent requests share one continuous batch and one prefix cache. A client that disconnects is cancelled
+in the engine (its pages and prefix-cache pins are freed at the next step).
+
+The chat template is Kimi K2's, with the same roles and special tokens for every model (docs/server.md):
+
+    <|im_system|>tool_declare<|im_middle|>[{tool definitions as JSON}]<|im_end|>     (only when tools are given)
+    <|im_system|>system<|im_middle|>{content}<|im_end|>
+    <|im_user|>user<|im_middle|>{content}<|im_end|>
+    <|im_assistant|>assistant<|im_middle|>[<think>{reasoning_content}</think>]{content}
+        [<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>
+         ...<|tool_calls_section_end|>]<|im_end|>
+    <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\n{content}<|im_end|>
+    <|im_assistant|>assistant<|im_middle|>                                           (the generation prompt)
+
+Generated ids are split back the same way (`OutputParser`): a leading <think> ... </think> is `reasoning_content`,
+a tool-call section becomes `tool_calls` (id "functions.NAME:IDX" names the function NAME), the rest is `content`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import uvicorn
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openk3.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
+                           chat_stop_ids, encode_message)
+
+log = logging.getLogger("openk3.server")
+
+DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (also capped by the room left in the context)
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+class APIError(Exception):
+    """An error the client caused (or a server state it should know about), sent as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------------------------------ the chat template
+
+def _block(tokenizer, role_token: str, name: str, body: str) -> list[int]:
+    """<role_token>{name}<|im_middle|>{body}<|im_end|>, the body encoded as plain text (no special tokens)."""
+    return ([tokenizer.token_id(role_token)] + tokenizer.encode(name) + [tokenizer.token_id("<|im_middle|>")]
+            + tokenizer.encode(body) + [tokenizer.token_id("<|im_end|>")])
+
+
+def encode_assistant(tokenizer, content: str, reasoning: str | None = None,
+                     tool_calls: list[dict] | None = None) -> list[int]:
+    """A past assistant turn: header, <think>reasoning</think> if there was reasoning, the content, the tool-call
+    section if there were tool calls ({"id", "function": {"name", "arguments"}} each), <|im_end|>."""
+    tid = tokenizer.token_id
+    ids = assistant_header(tokenizer)
+    if reasoning:
+        ids += [tid("<think>")] + tokenizer.encode(reasoning) + [tid("</think>")]
+    ids += tokenizer.encode(content)
+    if tool_calls:
+        ids.append(tid("<|tool_calls_section_begin|>"))
+        for i, call in enumerate(tool_calls):
+            call_id = call.get("id") or f"functions.{call['function']['name']}:{i}"
+            ids += ([tid("<|tool_call_begin|>")] + tokenizer.encode(call_id) + [tid("<|tool_call_argument_begin|>")]
+                    + tokenizer.encode(call["function"]["arguments"]) + [tid("<|tool_call_end|>")])
+        ids.append(tid("<|tool_calls_section_end|>"))
+    return ids + [tid("<|im_end|>")]
+
+
+def message_text(content: str | list[dict] | None) -> str:
+    """OpenAI content: a string, None, or a list of {"type": "text", "text": ...} parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """OpenAI-style messages (dicts) + tool definitions -> prompt ids ending with the generation prompt (the
+    template in the module docstring). Roles: system (or developer), user, assistant, tool."""
+    ids = _block(tokenizer, "<|im_system|>", "tool_declare", json.dumps(tools, ensure_ascii=False)) if tools else []
+    for m in messages:
+        role, text = m["role"], message_text(m.get("content"))
+        if role == "assistant":
+            ids += encode_assistant(tokenizer, text, m.get("reasoning_content"), m.get("tool_calls"))
+        elif role == "tool":
+            ids += _block(tokenizer, "<|im_system|>", "tool", f"## Return of {m['tool_call_id']}\n{text}")
+        else:
+            ids += encode_message(tokenizer, "system" if role == "developer" else role, text)
+    return ids + assistant_header(tokenizer)
+
+
+def function_name(call_id: str) -> str:
+    """K2's tool-call id "functions.NAME:IDX" -> NAME (an id of another form is its own name)."""
+    name = call_id.strip()
+    if name.startswith("functions."):
+        name = name[len("functions."):]
+    head, sep, tail = name.rpartition(":")
+    return head if sep and tail.isdigit() else name
+
+
+class OutputParser:
+    """Splits generated ids into reasoning, content and tool calls as they arrive. Prefix-stable: feeding more ids
+    only appends to the three parts, so a stream can send differences.
+
+    The states, in order: start -> (<think>) reasoning -> (</think>) content -> (section begin) tools -> content.
+    Reasoning exists only if the output starts with <think>. Other special tokens are dropped from the text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        tid = tokenizer.token_id
+        self.think, self.end_think = tid("<think>"), tid("</think>")
+        self.section_begin, self.section_end = tid("<|tool_calls_section_begin|>"), tid("<|tool_calls_section_end|>")
+        self.call_begin, self.call_end = tid("<|tool_call_begin|>"), tid("<|tool_call_end|>")
+        self.arg_begin = tid("<|tool_call_argument_begin|>")
+        self.state = "start"
+        self.reasoning_ids: list[int] | None = None
+        self.content_ids: list[int] = []
+        self.tool_ids: list[int] = []
+
+    def feed(self, ids: list[int]) -> None:
+        for t in ids:
+            if self.state == "start":
+                self.state = "content"
+                if t == self.think:
+                    self.state, self.reasoning_ids = "reasoning", []
+                    continue
+            if self.state == "reasoning":
+                if t == self.end_think:
+                    self.state = "content"
+                else:
+                    self.reasoning_ids.append(t)
+            elif self.state == "content" and t == self.section_begin:
+                self.state = "tools"
+            elif self.state == "tools":
+                if t == self.section_end:
+                    self.state = "after_tools"
+                else:
+                    self.tool_ids.append(t)
+            else:
+                self.content_ids.append(t)
+
+    @property
+    def reasoning(self) -> str | None:
+        if self.reasoning_ids is None:
+            return None
+        return self.tokenizer.decode(self.reasoning_ids, skip_special=True)
+
+    @property
+    def content(self) -> str:
+        return self.tokenizer.decode(self.content_ids, skip_special=True)
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The complete calls so far, in OpenAI's form ({"id", "type": "function", "function": {...}})."""
+        calls, header, args, part = [], [], [], None
+        for t in self.tool_ids:
+            if t == self.call_begin:
+                header, args, part = [], [], "header"
+            elif t == self.arg_begin and part == "header":
+                part = "args"
+            elif t == self.call_end and part == "args":
+                call_id = self.tokenizer.decode(header, skip_special=True).strip()
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": function_name(call_id),
+                                           "arguments": self.tokenizer.decode(args, skip_special=True)}})
+                part = None
+            elif part == "header":
+                header.append(t)
+            elif part == "args":
+                args.append(t)
+        return calls
+
+
+class TextDiff:
+    """The new text of a growing decoded string, holding back a trailing U+FFFD (a multi-byte character whose
+    remaining bytes are in the next token) until it resolves or the stream ends."""
+
+    def __init__(self):
+        self.sent = ""
+
+    def update(self, text: str, final: bool = False) -> str:
+        if (text.endswith("\ufffd") and not final) or not text.startswith(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent):], text
+        return new
+
+
+# ------------------------------------------------------------------------------------------ request bodies
+
+class _Body(BaseModel):
+    # NOTE: unknown fields are errors (400 naming the field), so a parameter we do not implement (logprobs,
+    # presence_penalty, ...) is refused instead of silently ignored.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    index: int | None = None  # present when a client rebuilt the call from stream chunks
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _structure(self) -> Message:
+        if self.role != "assistant" and (self.reasoning_content is not None or self.tool_calls):
+            raise ValueError(f"only assistant messages carry reasoning_content or tool_calls, not role {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message of role 'tool' needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
+            raise ValueError(f"a message of role {self.role!r} needs content")
+        return self
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generate(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    user: str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatRequest(_Generate):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[int] = Field(min_length=1)
+
+
+# ------------------------------------------------------------------------------------------ the engine thread
+
+class EngineLoop:
+    """Runs `engine.step()` on one background thread while the engine has work and hands each request's
+    StepOutputs to the asyncio queue of the handler that submitted it. `stats` is a snapshot of `engine.stats()`
+    taken by that thread after every step (the engine's own structures are only touched there)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.stats = engine.stats()
+        self.error: BaseException | None = None
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # registration of a sink vs the thread dispatching to it
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="openk3-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams,
+               cache_salt: str | None) -> tuple[Request, asyncio.Queue]:
+        """Queue a request (ValueError if the engine refuses it); its outputs arrive on the returned queue, the last
+        one with a finish_reason. Call from the event loop that will read the queue."""
+        if self.error is not None:
+            raise APIError(503, f"the engine stopped after an error: {self.error!r}", type="server_error")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:  # the engine thread cannot dispatch this request's first output before the sink exists
+            req = self.engine.submit(prompt, params, cache_salt=cache_salt, request_id=f"req-{uuid.uuid4().hex}")
+            self._sinks[req.id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        return req, queue
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # NOTE: a dead engine thread would hang every client; fail them instead
+                log.exception("engine step failed")
+                self.error = e
+                with self._lock:
+                    for loop, queue in self._sinks.values():
+                        self._deliver(loop, queue, e)
+                    self._sinks.clear()
+                return
+            stats = self.engine.stats()
+            with self._lock:
+                self.stats = stats
+                for out in outputs:
+                    sink = self._sinks.pop(out.request_id) if out.finish_reason else self._sinks.get(out.request_id)
+                    if sink is not None:
+                        self._deliver(*sink, out)
+
+    @staticmethod
+    def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+        if not loop.is_closed():  # the handler's loop is gone (a test client that exited): nobody is waiting
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self, name: str, help: str):
+        self.name, self.help = name, help
+        self.counts = [0] * len(self.BUCKETS)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.BUCKETS):
+            if value <= b:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines += [f'{self.name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.BUCKETS, self.counts)]
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
+                  f"{self.name}_count {self.count}"]
+        return lines
+
+
+class Metrics:
+    """Server counters, updated by the handlers (on the event loop) and rendered with the engine's stats."""
+
+    def __init__(self):
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, finish reason) -> count
+        self.errors: dict[int, int] = defaultdict(int)  # HTTP status -> count
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.ttft = Histogram("openk3_time_to_first_token_seconds", "Time from submission to the first token.")
+        self.itl = Histogram("openk3_inter_token_latency_seconds", "Mean time between output tokens, per request.")
+        self.latency = Histogram("openk3_request_latency_seconds", "Time from submission to the last token.")
+
+    def finished(self, endpoint: str, req: Request) -> None:
+        self.requests[(endpoint, req.finish_reason)] += 1
+        self.prompt_tokens += len(req.prompt)
+        self.completion_tokens += len(req.output)
+        self.cached_tokens += req.cached_tokens
+        if req.first_token_at is not None:
+            self.ttft.observe(req.first_token_at - req.submitted_at)
+            if len(req.output) > 1:
+                self.itl.observe((req.finished_at - req.first_token_at) / (len(req.output) - 1))
+        self.latency.observe(req.finished_at - req.submitted_at)
+
+    def render(self, stats: dict) -> str:
+        lines = ["# HELP openk3_requests_total Finished generation requests by endpoint and finish reason.",
+                 "# TYPE openk3_requests_total counter"]
+        lines += [f'openk3_requests_total{{endpoint="{e}",finish_reason="{r}"}} {n}'
+                  for (e, r), n in sorted(self.requests.items())]
+        lines += ["# HELP openk3_request_errors_total Requests refused, by HTTP status.",
+                  "# TYPE openk3_request_errors_total counter"]
+        lines += [f'openk3_request_errors_total{{status="{s}"}} {n}' for s, n in sorted(self.errors.items())]
+        for name, value, help in [
+                ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
+                ("completion_tokens_total", self.completion_tokens, "Generated tokens of finished requests."),
+                ("cached_prompt_tokens_total", self.cached_tokens, "Prompt tokens served from the prefix cache.")]:
+            lines += [f"# HELP openk3_{name} {help}", f"# TYPE openk3_{name} counter", f"openk3_{name} {value}"]
+        hit_rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        gauges = [("prefix_cache_hit_rate", hit_rate, "Cached prompt tokens / prompt tokens, since start."),
+                  ("queue_depth", stats["queue_depth"], "Requests submitted but not yet admitted."),
+                  ("running_requests", stats["running"] + stats["prefilling"], "Requests prefilling or decoding."),
+                  ("free_pages", stats["free_pages"], "Free pages in the engine's page pool.")]
+        for name, value, help in gauges:
+            lines += [f"# HELP openk3_{name} {help}", f"# TYPE openk3_{name} gauge", f"openk3_{name} {value}"]
+        lines += ["# HELP openk3_engine Engine counters (engine.stats()).", "# TYPE openk3_engine gauge"]
+        lines += [f'openk3_engine{{counter="{k}"}} {v}' for k, v in sorted(stats.items())
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for h in (self.ttft, self.itl, self.latency):
+            lines += h.render()
+        return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ the app
+
+def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
+               max_context: int | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`. `max_context`: the most tokens (prompt + max_tokens) one request may use
+    (default: the model's max_position_embeddings). With `api_key`, /v1 routes and /metrics need
+    `Authorization: Bearer <api_key>`. The engine thread runs between the app's startup and shutdown (lifespan)."""
+    max_context = max_context or engine.model.config.max_position_embeddings
+    metrics = Metrics()
+    end_of_text = (tokenizer.eos_id,)
+    chat_stops = chat_stop_ids(tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loop = EngineLoop(engine)
+        yield
+        app.state.loop.stop()
+
+    app = FastAPI(title="openk3", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    def send_error(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type: str = "invalid_request_error") -> JSONResponse:
+        metrics.errors[status] += 1
+        return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
+        return send_error(e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            return send_error(400, f"the body is not valid JSON: {err.get('msg')} (at {param})", None, "invalid_json")
+        return send_error(400, f"{param or 'body'}: {err.get('msg')}", param, err.get("type"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        return send_error(e.status_code, str(e.detail), None, None)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: HTTPRequest, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return send_error(500, f"internal error: {e!r}", None, None, "server_error")
+
+    def authorize(request: HTTPRequest) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           type="authentication_error")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found")
+
+    def sampling(body: _Generate, n_prompt: int, stops: tuple[int, ...], param: str) -> SamplingParams:
+        room = max_context - n_prompt
+        if room < 1:
+            raise APIError(400, f"the prompt has {n_prompt} tokens; the context holds {max_context}, leaving no room "
+                                f"to generate", param, "context_length_exceeded")
+        requested = body.requested_max_tokens
+        if requested is not None and requested > room:
+            raise APIError(400, f"max_tokens={requested} + the prompt's {n_prompt} tokens exceed the context of "
+                                f"{max_context} tokens (at most {room} can be generated)", "max_tokens",
+                           "context_length_exceeded")
+        temperature = body.temperature
+        return SamplingParams(max_tokens=requested or min(room, DEFAULT_MAX_TOKENS), temperature=temperature,
+                              top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop_token_ids=stops)
+
+    def submit(request: HTTPRequest, prompt: list[int], params: SamplingParams, salt: str | None,
+               param: str) -> tuple[Request, asyncio.Queue]:
+        try:  # NOTE: the engine validates what only it knows (vocabulary, page pool); its ValueError is the client's
+            return request.app.state.loop.submit(prompt, params, salt)
+        except ValueError as e:
+            raise APIError(400, str(e), param, "invalid_prompt") from None
+
+    def usage(req: Request) -> dict:
+        return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
+                "total_tokens": len(req.prompt) + len(req.output),
+                "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+
+    async def outputs(request: HTTPRequest, req: Request, queue: asyncio.Queue, watch_disconnect: bool):
+        """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves (a
+        streaming response is cancelled by Starlette when its client goes); either way the engine cancels it."""
+        done = False
+        try:
+            while True:
+                if watch_disconnect:
+                    try:
+                        out = await asyncio.wait_for(queue.get(), timeout=0.25)
+                    except TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                else:
+                    out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise APIError(500, f"the engine failed: {out!r}", type="server_error")
+                yield out
+                if out.finish_reason is not None:
+                    done = True
+                    return
+        finally:
+            if not done:
+                request.app.state.loop.cancel(req.id)
+
+    def visible(out: StepOutput) -> list[int]:
+        return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+
+    def chat_finish(req: Request, parser: OutputParser) -> str:
+        return "tool_calls" if req.finish_reason == "stop" and parser.tool_calls else req.finish_reason
+
+    @app.get("/health")
+    async def health(request: HTTPRequest) -> JSONResponse:
+        loop = request.app.state.loop
+        if loop.error is not None:
+            return send_error(503, f"the engine stopped after an error: {loop.error!r}", type="server_error")
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def get_metrics(request: HTTPRequest) -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(request.app.state.loop.stats),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "openk3"}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Response:
+        check_model(body.model)
+        tools = None
+        if body.tools and body.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        prompt = encode_conversation(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], tools)
+        params = sampling(body, len(prompt), chat_stops, "messages")
+        req, queue = submit(request, prompt, params, body.cache_salt, "messages")
+        rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
+        parser = OutputParser(tokenizer)
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                          "model": model_name, "choices": [{"index": 0, "delta": delta,
+                                                                            "finish_reason": finish,
+                                                                            "logprobs": None}]}) + "\n\n"
+
+        if not body.stream:
+            async for out in outputs(request, req, queue, watch_disconnect=True):
+                parser.feed(visible(out))
+            if not req.finished:  # the client left
+                return Response(status_code=499)
+            metrics.finished("chat", req)
+            message = {"role": "assistant", "content": parser.content}
+            if parser.reasoning is not None:
+                message["reasoning_content"] = parser.reasoning
+            if parser.tool_calls:
+                message["tool_calls"] = parser.tool_calls
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                                 "choices": [{"index": 0, "message": message, "logprobs": None,
+                                              "finish_reason": chat_finish(req, parser)}],
+                                 "usage": usage(req)})
+
+        async def events():
+            reasoning_diff, content_diff = TextDiff(), TextDiff()
+            yield chunk({"role": "assistant", "content": ""})
+            async for out in outputs(request, req, queue, watch_disconnect=False):
+                parser.feed(visible(out))
+                final = out.finish_reason is not None
+                delta = {}
+                if parser.reasoning is not None and (new := reasoning_diff.update(parser.reasoning, final)):
+                    delta["reasoning_content"] = new
+                if new := content_diff.update(parser.content, final):
+                    delta["content"] = new
+                if delta:
+                    yield chunk(delta)
+            metrics.finished("chat", req)
+            calls = parser.tool_calls
+            yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]} if calls else {},
+                        chat_finish(req, parser))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                             "model": model_name, "choices": [], "usage": usage(req)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
+        check_model(body.model)
+        # a text prompt starts after [BOS] (as `openk3 generate`); a list of ids is taken as it is
+        prompt = [tokenizer.bos_id] + tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        params = sampling(body, len(prompt), end_of_text, "prompt")
+        req, queue = submit(request, prompt, params, body.cache_salt, "prompt")
+        rid, created = f"cmpl-{req.id[4:]}", int(time.time())
+
+        def body_of(text: str, finish: str | None, with_usage: bool) -> dict:
+            out = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                   "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            return dict(out, usage=usage(req)) if with_usage else out
+
+        if not body.stream:
+            ids = []
+            async for out in outputs(request, req, queue, watch_disconnect=True):
+                ids += visible(out)
+            if not req.finished:
+                return Response(status_code=499)
+            metrics.finished("completions", req)
+            return JSONResponse(body_of(tokenizer.decode(ids, skip_special=True), req.finish_reason, True))
+
+        async def events():
+            ids, diff = [], TextDiff()
+            async for out in outputs(request, req, queue, watch_disconnect=False):
+                ids += visible(out)
+                new = diff.update(tokenizer.decode(ids, skip_special=True), out.finish_reason is not None)
+                if new:
+                    yield "data: " + json.dumps(body_of(new, None, False)) + "\n\n"
+            metrics.finished("completions", req)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            yield "data: " + json.dumps(body_of("", req.finish_reason, include_usage)) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------ running it
+
+class Server:
+    """Runs an app under uvicorn on a background thread (for tests, benchmarks and notebooks). Binds `host`
+    (127.0.0.1 by default) on `port` (0 = a free port, read back from the socket). While it runs,
+    `server.app.state.loop.stats` is the engine's latest stats snapshot."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.app, self.host, self.port = app, host, self.sock.getsockname()[1]
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
+                                       name="openk3-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server on {self.url} did not start within {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Graceful: stop accepting connections, let in-flight requests finish, then stop the engine thread."""
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the server on {self.url} did not stop within {timeout} s")
+        self.sock.close()
+
+
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `serve` on an argparse sub-parser set (for openk3/cli.py)."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine")
+    p.add_argument("--model", required=True, help="model directory or run directory (its latest checkpoint)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $OPENK3_API_KEY; none = open)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch", type=int, default=32, help="requests prefilling or decoding at once")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
+    p.set_defaults(fn=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from openk3.train import load_for_inference
+
+    if args.cache_tokens < args.page_size:
+        raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
+    model, tokenizer, model_dir = load_for_inference(args.model, args.device)
+    config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
+                          max_batch=args.max_batch)
+    name = args.served_model_name or model_dir.name
+    app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context)
+    key = " (API key required)" if args.api_key else ""
+    print(f"openk3 serve: {name} on http://{args.host}:{args.port}/v1{key}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible server: the chat template and output parser on token sequences, then a live server on
+127.0.0.1 driven by the official `openai` client (streaming and not, 32 concurrent clients against sequential greedy
+runs, cache-salt isolation, disconnects, graceful shutdown, metrics), error bodies, and fuzzed request bodies
+through the ASGI app (never a 500)."""
+
+import argparse
+import json
+import random
+import sysconfig
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from openk3.engine import Engine, EngineConfig, SamplingParams, chat_stop_ids
+from openk3.model import K3ForCausalLM
+from openk3.server import (OutputParser, Server, TextDiff, cmd_serve, create_app, encode_conversation,
+                           register_commands)
+from openk3.tokenizer import train_bpe
+from openk3.train import load_for_inference
+from tests.test_cache import small_config
+
+NAME = "k3-test"
+MAX_CONTEXT = 256
+TIMEOUT = 30.0  # seconds, for every client call: a hung server fails the test instead of hanging it
+
+
+def stats(server: Server) -> dict:
+    """The engine's stats as the engine thread last saw them (calling engine.stats() here would race it)."""
+    return server.app.state.loop.stats
+
+
+def wait_for(condition, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random-init small K3 with a BPE tokenizer trained on a few stdlib files, saved as `openk3 serve` loads it."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(lib / f).read_text() for f in ("textwrap.py", "json/__init__.py", "bisect.py")]
+    tokenizer = train_bpe(texts, vocab_size=400)
+    torch.manual_seed(0)
+    config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    path = tmp_path_factory.mktemp("model")
+    K3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    model, tokenizer, _ = load_for_inference(model_dir)
+    return model, tokenizer
+
+
+def make_engine(model, max_batch: int = 32) -> Engine:
+    return Engine(model, EngineConfig(page_size=16, num_pages=400, max_batch=max_batch, prefill_chunk=64,
+                                      hash_interval=16, checkpoint_interval=16))
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    model, tokenizer = loaded
+    engine = make_engine(model)
+    srv = Server(create_app(engine, tokenizer, NAME, max_context=MAX_CONTEXT)).start()
+    srv.engine = engine
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def chat(client, text: str, max_tokens: int = 8, **kw):
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}],
+                                          max_tokens=max_tokens, temperature=0, **kw)
+
+
+# ------------------------------------------------------------------------------------------ template and parser
+
+def test_chat_template_renders_k3_messages(loaded):
+    _, tok = loaded
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Oslo?"}]},
+        {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
+         "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "-3 C"},
+        {"role": "assistant", "content": "Cold: -3 C. <|im_end|>"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    ids = encode_conversation(tok, messages, tools)
+    assert tok.decode(ids) == (
+        '<|im_system|>tool_declare<|im_middle|>' + json.dumps(tools) + '<|im_end|>'
+        '<|im_system|>system<|im_middle|>Be brief.<|im_end|>'
+        '<|im_user|>user<|im_middle|>Weather in Oslo?<|im_end|>'
+        '<|im_assistant|>assistant<|im_middle|><think>Need the tool.</think>'
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+        '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+        '<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n-3 C<|im_end|>'
+        '<|im_assistant|>assistant<|im_middle|>Cold: -3 C. <|im_end|><|im_end|>'
+        '<|im_user|>user<|im_middle|>Thanks<|im_end|>'
+        '<|im_assistant|>assistant<|im_middle|>')
+    # a special-token string typed into content stays text: 7 real <|im_end|> ids, not 8
+    assert ids.count(tok.token_id("<|im_end|>")) == 7
+
+
+def test_output_parser_splits_reasoning_content_and_tool_calls_streaming(loaded):
+    """Kimi K2's output format parsed into reasoning, content and two tool calls; fed in random pieces, the parts
+    only ever grow, so the differences a stream sends join to the final message."""
+    _, tok = loaded
+    t = tok.token_id
+    ids = ([t("<think>")] + tok.encode("Two cities, two calls. é") + [t("</think>")] + tok.encode("Checking ü…")
+           + [t("<|tool_calls_section_begin|>")]
+           + [t("<|tool_call_begin|>")] + tok.encode("functions.get_weather:0") + [t("<|tool_call_argument_begin|>")]
+           + tok.encode('{"city": "Oslo"}') + [t("<|tool_call_end|>")]
+           + [t("<|tool_call_begin|>")] + tok.encode(" functions.ns.lookup:1") + [t("<|tool_call_argument_begin|>")]
+           + tok.encode("{}") + [t("<|tool_call_end|>"), t("<|tool_calls_section_end|>")])
+    rng = random.Random(0)
+    for trial in range(5):
+        parser, reasoning, content = OutputParser(tok), TextDiff(), TextDiff()
+        sent_r = sent_c = ""
+        i = 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            parser.feed(ids[i:i + n])
+            i += n
+            final = i >= len(ids)
+            if parser.reasoning is not None:
+                sent_r += reasoning.update(parser.reasoning, final)
+            sent_c += content.update(parser.content, final)
+            assert len(parser.tool_calls) <= 2
+        assert sent_r == parser.reasoning == "Two cities, two calls. é"
+        assert sent_c == parser.content == "Checking ü…"
+    assert parser.tool_calls == [
+        {"id": "functions.get_weather:0", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        {"id": "functions.ns.lookup:1", "type": "function", "function": {"name": "ns.lookup", "arguments": "{}"}}]
+    plain = OutputParser(tok)
+    plain.feed(tok.encode("no reasoning here") + [t("</think>")] + tok.encode("!"))
+    assert plain.reasoning is None and plain.content == "no reasoning here!" and plain.tool_calls == []
+    cut = OutputParser(tok)  # a truncated output: reasoning so far, no content, no half-written tool call
+    cut.feed([t("<think>")] + tok.encode("hmm"))
+    assert (cut.reasoning, cut.content) == ("hmm", "")
+
+
+# ------------------------------------------------------------------------------------------ the live server
+
+def test_openai_client_chat_and_completions_streaming_and_not(client, server, loaded):
+    model, tok = loaded
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+
+    r = chat(client, "Hello there, how are you?", max_tokens=9)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.role == "assistant"
+    assert r.usage.completion_tokens <= 9 and r.usage.prompt_tokens > 5
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    # the server's greedy tokens are the engine's, for the same prompt
+    prompt = encode_conversation(tok, [{"role": "user", "content": "Hello there, how are you?"}])
+    assert r.usage.prompt_tokens == len(prompt)
+    want = make_engine(model).generate([prompt], SamplingParams(max_tokens=9, temperature=0.0,
+                                                                stop_token_ids=chat_stop_ids(tok)))[0]
+    parser = OutputParser(tok)
+    parser.feed(want.completion_ids)
+    assert choice.message.content == parser.content
+
+    stream = chat(client, "Hello there, how are you?", max_tokens=9, stream=True,
+                  stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    # K3 history (reasoning_content, tool_calls, a tool result) and tool definitions are accepted and templated
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "1 + 2?"},
+               {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [
+                   {"id": "functions.add:0", "type": "function", "function": {"name": "add", "arguments": "[1, 2]"}}]},
+               {"role": "tool", "tool_call_id": "functions.add:0", "content": "3"}]
+    r = client.chat.completions.create(model=NAME, messages=history, tools=tools, max_tokens=3, temperature=0)
+    assert r.usage.prompt_tokens == len(encode_conversation(tok, history, tools))
+    assert r.choices[0].finish_reason in ("stop", "length")
+    # the client's own message object goes back into the history as it came
+    again = client.chat.completions.create(model=NAME, messages=history + [r.choices[0].message, {
+        "role": "user", "content": "And 2 + 2?"}], tools=tools, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens
+
+    c = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=7, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.completion_tokens <= 7
+    streamed = "".join(x.choices[0].text for x in client.completions.create(
+        model=NAME, prompt="def f(x):", max_tokens=7, temperature=0, stream=True))
+    assert streamed == c.choices[0].text
+    ids = client.completions.create(model=NAME, prompt=[tok.bos_id] + tok.encode("def f(x):"), max_tokens=7,
+                                    temperature=0)
+    assert ids.choices[0].text == c.choices[0].text
+
+
+def test_32_concurrent_clients_match_sequential_greedy(client, server):
+    questions = [f"Question {i}: what is {i * 7} plus {i}?" + " Think." * (i % 5) for i in range(32)]
+    sequential = [chat(client, q).choices[0].message.content for q in questions]
+    steps = stats(server)["steps"]
+    with ThreadPoolExecutor(32) as pool:
+        concurrent = list(pool.map(lambda q: chat(client, q).choices[0].message.content, questions))
+    assert concurrent == sequential
+    # batched: far fewer engine steps than 32 requests x (prefill + 7 decode steps) run one at a time
+    assert stats(server)["steps"] - steps < 32 * 8 / 2
+
+
+def test_prefix_cache_shared_across_requests_and_isolated_by_cache_salt(client):
+    text = "A long shared system prompt that many tenants send before their question. " * 2
+    first = chat(client, text, extra_body={"cache_salt": "tenant-a"})
+    assert first.usage.prompt_tokens > 32
+    again = chat(client, text, extra_body={"cache_salt": "tenant-a"})
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    assert again.choices[0].message.content == first.choices[0].message.content
+    other = chat(client, text, extra_body={"cache_salt": "tenant-b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == first.choices[0].message.content
+
+
+def test_client_disconnect_cancels_and_frees_pages(server):
+    """A streaming client that hangs up after its first token, and a non-streaming one that times out: both are
+    cancelled in the engine long before their 200 tokens, and every page they reserved is returned."""
+    engine = server.engine
+    # greedy, this prompt runs to the 200-token limit (about 1.5 s) when nobody cancels it (checked below)
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 200, "temperature": 0}
+    for stream in (True, False):
+        wait_for(lambda: not engine.has_work())
+        decoded, finished = stats(server)["decode_tokens"], stats(server)["finished"]
+        with httpx.Client(timeout=TIMEOUT) as http:
+            if stream:
+                with http.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True)) as r:
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    while not next(lines).startswith("data: {"):
+                        pass
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    http.post(server.url + "/v1/completions", json=body, timeout=0.2)
+        wait_for(lambda: stats(server)["finished"] == finished + 1 and not engine.has_work())
+        assert stats(server)["decode_tokens"] - decoded < 200, stream  # stopped early
+        assert engine.pool.reserved == 0 and stats(server)["running"] == 0
+    with httpx.Client(timeout=TIMEOUT) as http:
+        r = http.post(server.url + "/v1/completions", json=body).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 200
+
+
+def test_bad_requests_get_openai_error_bodies(server):
+    url = server.url + "/v1/chat/completions"
+    ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    cases = [
+        (dict(ok, model="gpt-4"), 404, "gpt-4"),
+        (dict(ok, temperature=5), 400, "temperature"),
+        (dict(ok, top_p=0), 400, "top_p"),
+        (dict(ok, max_tokens=0), 400, "max_tokens"),
+        (dict(ok, max_tokens=MAX_CONTEXT), 400, "max_tokens"),
+        (dict(ok, n=2), 400, "n"),
+        (dict(ok, logprobs=True), 400, "logprobs"),
+        (dict(ok, messages=[{"role": "user", "content": "word " * MAX_CONTEXT}]), 400, "context"),
+        (dict(ok, messages=[]), 400, "messages"),
+        (dict(ok, messages=[{"role": "robot", "content": "x"}]), 400, "role"),
+        (dict(ok, messages=[{"role": "tool", "content": "x"}]), 400, "tool_call_id"),
+        (dict(ok, messages=[{"role": "user", "content": "x", "reasoning_content": "y"}]), 400, "reasoning_content"),
+        (dict(ok, messages="hi"), 400, "messages"),
+        ({k: v for k, v in ok.items() if k != "model"}, 400, "model"),
+    ]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for body, status, needle in cases:
+            r = http.post(url, json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert needle in err["message"] and err["type"] == "invalid_request_error", (body, err)
+        r = http.post(url, content=b'{"model": "k3-test", "messages": [', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = http.post(server.url + "/v1/completions", json={"model": NAME, "prompt": [10**9], "max_tokens": 2})
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+        r = http.get(server.url + "/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+
+
+def test_serve_command_defaults_to_localhost():
+    parser = argparse.ArgumentParser()
+    register_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--model", "some/dir"])
+    assert (args.host, args.port, args.fn) == ("127.0.0.1", 8000, cmd_serve)
+    with pytest.raises(ValueError, match="--cache-tokens=8"):
+        cmd_serve(parser.parse_args(["serve", "--model", "x", "--cache-tokens", "8"]))
+
+
+def test_api_key_required_when_configured(loaded):
+    model, tok = loaded
+    with TestClient(create_app(make_engine(model), tok, NAME, api_key="s3cret")) as http:
+        assert http.get("/v1/models").status_code == 401
+        r = http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == NAME
+        assert http.get("/health").status_code == 200
+
+
+def test_metrics_in_prometheus_format(client, server):
+    chat(client, "metrics please")
+    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['openk3_requests_total{endpoint="chat",finish_reason="length"}'] >= 1
+    assert values["openk3_prompt_tokens_total"] > 0 and values["openk3_completion_tokens_total"] > 0
+    assert 0 <= values["openk3_prefix_cache_hit_rate"] <= 1
+    assert values["openk3_time_to_first_token_seconds_count"] >= 1
+    assert values['openk3_request_latency_seconds_bucket{le="+Inf"}'] == values["openk3_request_latency_seconds_count"]
+    assert values["openk3_queue_depth"] == 0 and values["openk3_running_requests"] == 0
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(loaded):
+    model, tok = loaded
+    engine = make_engine(model)
+    srv = Server(create_app(engine, tok, NAME, max_context=MAX_CONTEXT)).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=chat(client, "A long answer, please.", max_tokens=40)))
+    worker.start()
+    wait_for(lambda: stats(srv)["running"] == 1 and stats(srv)["decode_tokens"] >= 2)
+    srv.stop()
+    worker.join(TIMEOUT)
+    assert not worker.is_alive()
+    r = result["r"]
+    assert r.usage.completion_tokens == 40 or r.choices[0].finish_reason == "stop"
+    assert engine.stats()["running"] == 0
+
+
+# ------------------------------------------------------------------------------------------ fuzzing
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats() | st.text(max_size=12),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                    max_leaves=8)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "robot"])},
+    optional={"content": st.text(max_size=30) | JSON, "reasoning_content": st.text(max_size=10) | JSON,
+              "tool_call_id": st.text(max_size=10), "tool_calls": JSON | st.just(
+                  [{"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}])})
+# per field: values in and out of range, and arbitrary JSON
+FIELDS = {
+    "model": st.just(NAME) | JSON, "messages": st.lists(MESSAGE, max_size=3) | JSON,
+    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 500), max_size=5) | JSON,
+    "max_tokens": st.integers(-3, 30) | JSON, "temperature": st.floats(-1, 3) | JSON, "top_p": st.floats(-1, 2),
+    "top_k": st.integers(-2, 5), "seed": st.integers(-1, 2**64), "stream": st.booleans() | JSON,
+    "cache_salt": st.text(max_size=5) | JSON, "n": st.integers(0, 3), "tool_choice": JSON,
+    "tools": JSON | st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    "stream_options": JSON | st.just({"include_usage": True}), "logprobs": JSON}
+VALID = {"/v1/chat/completions": {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+         "/v1/completions": {"model": NAME, "prompt": "x = ", "max_tokens": 3}}
+
+
+@pytest.fixture(scope="module")
+def asgi(loaded):
+    model, tok = loaded
+    # a short context: every fuzzed body that is valid generates only a few tokens
+    with TestClient(create_app(make_engine(model), tok, NAME, max_context=24), raise_server_exceptions=False) as c:
+        yield c
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_bodies_never_500(asgi, data):
+    """Raw bytes, arbitrary JSON objects, and valid bodies with a few fields replaced: always a 2xx or a 4xx with
+    an error body, never a 500."""
+    path = data.draw(st.sampled_from(sorted(VALID)))
+    kind = data.draw(st.sampled_from(["raw", "object", "mutated", "mutated"]))
+    if kind == "raw":
+        body, content = None, data.draw(st.binary(max_size=40))
+    else:
+        body = {} if kind == "object" else dict(VALID[path])
+        for key in data.draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=3, unique=True)):
+            body[key] = data.draw(FIELDS[key])
+        content = json.dumps(body).encode()
+    r = asgi.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert isinstance(r.json()["error"]["message"], str)
+    elif body.get("stream") is True:
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.json()["usage"]["completion_tokens"] >= 1
