@@ -42,6 +42,7 @@ import time
 import uuid
 from collections import defaultdict
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Literal
 
 import uvicorn
@@ -737,7 +738,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $OPENK3_API_KEY; none = open)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --model directory's name)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-batch", type=int, default=32, help="requests prefilling or decoding at once")
     p.add_argument("--page-size", type=int, default=64)
@@ -752,10 +753,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
-    model, tokenizer, model_dir = load_for_inference(args.model, args.device)
+    model, tokenizer, _ = load_for_inference(args.model, args.device)
     config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
                           max_batch=args.max_batch)
-    name = args.served_model_name or model_dir.name
+    name = args.served_model_name or Path(args.model).resolve().name  # the directory the user named, e.g. a run
     app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context)
     key = " (API key required)" if args.api_key else ""
     print(f"openk3 serve: {name} on http://{args.host}:{args.port}/v1{key}")
