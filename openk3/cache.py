@@ -39,11 +39,8 @@ from openk3.ops.kda import select_kda_backend
 
 def new_kda_states(config: K3Config, batch: int, device, dtype: torch.dtype) -> list[KDAState]:
     """Zero KDA states, one per KDA layer in layer order: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K]."""
-    lac = config.linear_attn_config
-    H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
-    return [KDAState(recurrent=torch.zeros(batch, H, K, K, device=device),
-                     conv=torch.zeros(batch, W - 1, 3 * H * K, device=device, dtype=dtype))
-            for i in range(config.num_hidden_layers) if config.is_kda_layer(i)]
+    return [KDAState.zeros(config, batch, device, dtype) for i in range(config.num_hidden_layers)
+            if config.is_kda_layer(i)]
 
 
 def cat_kda_states(a: list[KDAState], b: list[KDAState]) -> list[KDAState]:

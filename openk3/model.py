@@ -80,6 +80,14 @@ class KDAState:
     keep_inputs: bool = False
     inputs: dict[str, Tensor] | None = None
 
+    @classmethod
+    def zeros(cls, config: K3Config, batch: int, device=None, dtype=torch.float32) -> "KDAState":
+        """The state before any token: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K] in `dtype`."""
+        lac = config.linear_attn_config
+        H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+        return cls(recurrent=torch.zeros(batch, H, K, K, device=device),
+                   conv=torch.zeros(batch, W - 1, 3 * H * K, device=device, dtype=dtype))
+
 
 @dataclass
 class MLAState:
@@ -116,14 +124,10 @@ class K3Cache:
 
     @classmethod
     def empty(cls, config: K3Config, batch: int, max_len: int, device=None, dtype=torch.float32) -> "K3Cache":
-        lac = config.linear_attn_config
-        hk = lac.num_heads * lac.head_dim
         layers = []
         for i in range(config.num_hidden_layers):
             if config.is_kda_layer(i):
-                layers.append(KDAState(
-                    recurrent=torch.zeros(batch, lac.num_heads, lac.head_dim, lac.head_dim, device=device),
-                    conv=torch.zeros(batch, lac.short_conv_kernel_size - 1, 3 * hk, device=device, dtype=dtype)))
+                layers.append(KDAState.zeros(config, batch, device, dtype))
             else:
                 width = config.kv_lora_rank + config.qk_rope_head_dim
                 layers.append(MLAState(latent=torch.zeros(batch, max_len, width, device=device, dtype=dtype)))
