@@ -1,4 +1,4 @@
-"""The `openk3` command: info, init, train, eval, generate, chat.
+"""The `openk3` command: info, init, train, eval, generate, chat, serve.
 
 Each subcommand is a small function that parses its own arguments and calls into the package."""
 
