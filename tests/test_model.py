@@ -27,6 +27,15 @@ def randomise_attnres(model: K3ForCausalLM, seed: int = 0) -> None:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
 
 
+def family_model(family: str, seed: int):
+    """A random tiny model of the K3 or the Kimi-Linear family, with non-uniform AttnRes; seeds torch for the test."""
+    c = tiny() if family == "k3" else kimi_linear_tiny()
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    return c, model
+
+
 def test_attnres_wiring_by_hand():
     """3 layers, block size 2, against the spec's pseudo-code written out with explicit sources."""
     c = tiny().replace(num_hidden_layers=3, attn_res_block_size=2,
@@ -113,10 +122,7 @@ def test_absorbed_mla_equals_expanded(q_lora, gate):
 
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
 def test_cached_decode_equals_full_forward(family):
-    c = tiny() if family == "k3" else kimi_linear_tiny()
-    torch.manual_seed(3)
-    model = K3ForCausalLM(c)
-    randomise_attnres(model)
+    c, model = family_model(family, seed=3)
     ids = torch.randint(0, c.vocab_size, (2, 21))
     with torch.no_grad():
         full = model(ids).logits
@@ -130,10 +136,7 @@ def test_cached_decode_equals_full_forward(family):
 
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
 def test_packed_documents_equal_separate_forwards(family):
-    c = tiny() if family == "k3" else kimi_linear_tiny()
-    torch.manual_seed(4)
-    model = K3ForCausalLM(c)
-    randomise_attnres(model)
+    c, model = family_model(family, seed=4)
     ids = torch.randint(0, c.vocab_size, (2, 24))
     cu = torch.tensor([0, 5, 24, 31, 48])  # row 0: docs [0,5) [5,24); row 1: [0,7) [7,24)
     with torch.no_grad():
