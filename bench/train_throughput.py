@@ -5,7 +5,7 @@
 Each backend runs the same steps (forward, backward, Muon+AdamW step) on random tokens in packed documents;
 prints a table, writes JSON (default bench/results/train_throughput.json) after every backend, and states the
 hardware. MFU counts 6 x active non-embedding parameters per token (lm_head included) plus causal MLA attention
-(6 * H * (qk + v) * T/2 per token per MLA layer) and the KDA recurrence (3 * 8 * H * K * V per token per KDA layer),
+(6 * H * (qk + v) * L/2 per token per MLA layer, L = the document length, T/4) and the KDA recurrence (3 * 8 * H * K * V per token per KDA layer),
 against the H200's dense bf16 peak of 989 TFLOP/s (datasheet).
 """
 
@@ -28,14 +28,16 @@ from openk3.optim import build_optimizer
 PEAK_BF16 = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
 
 
-def flops_per_token(config, seq_len: int) -> float:
+def flops_per_token(config, doc_len: int) -> float:
+    """Model FLOPs per trained token; MLA attention is causal within a document of doc_len tokens (the masked-out
+    work across documents is not counted)."""
     counts = count_params(config)
     dense = 6 * counts["active_params"]
     lac = config.linear_attn_config
     n = config.num_hidden_layers
     n_kda = sum(config.is_kda_layer(i) for i in range(n))
     qd = config.qk_nope_head_dim + config.qk_rope_head_dim
-    mla = (n - n_kda) * 6 * config.num_attention_heads * (qd + config.v_head_dim) * seq_len / 2
+    mla = (n - n_kda) * 6 * config.num_attention_heads * (qd + config.v_head_dim) * doc_len / 2
     kda = n_kda * 3 * 8 * lac.num_heads * lac.head_dim * lac.head_dim
     return dense + mla + kda
 
@@ -61,7 +63,7 @@ def run_backend(name: str, config, args) -> dict:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            loss = model(ids, labels=ids.roll(-1, 1), cu_seqlens=cu).loss
+            loss = model(ids, labels=ids.roll(-1, 1), cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -73,7 +75,7 @@ def run_backend(name: str, config, args) -> dict:
             times.append(dt)
     step_s = sorted(times)[len(times) // 2]
     tok_s = B * T / step_s
-    fpt = flops_per_token(config, T)
+    fpt = flops_per_token(config, T // 4)
     peak = PEAK_BF16.get(torch.cuda.get_device_name(device) if device.type == "cuda" else "", None)
     res = {"backend": name, "reason": backend.reason, "median_step_s": step_s, "tokens_per_s": tok_s,
            "model_tflops_per_s": fpt * tok_s / 1e12, "mfu": fpt * tok_s / peak if peak else None,
@@ -94,6 +96,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk (recomputed logits), 0 = off")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--out", default="bench/results/train_throughput.json")
     args = ap.parse_args()
@@ -102,7 +105,8 @@ def main() -> None:
     hw = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
     header = {"preset": args.preset, **counts, "hardware": hw, "torch": torch.__version__, "batch_size":
               args.batch_size, "seq_len": args.seq_len, "dtype": args.dtype,
-              "flops_per_token": flops_per_token(config, args.seq_len)}
+              "doc_len": args.seq_len // 4,
+              "flops_per_token": flops_per_token(config, args.seq_len // 4)}
     print(json.dumps(header))
     results = []
     out = Path(args.out)

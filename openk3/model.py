@@ -29,6 +29,22 @@ from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
 
 
+def recomputed(fn, *args):
+    """fn(*args), keeping only the inputs for backward and running fn again there. For the cheap fp32 elementwise
+    chains (norms, AttnRes mixes, SiTU, the short conv) whose saved intermediates would cost far more memory than
+    their recompute costs time: measured on k3-1b, they held about 3 of the 4.5 MB of activations per token
+    outside KDA (docs/training.md)."""
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()  # fp32 statistics
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -36,17 +52,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()  # fp32 statistics
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return y.to(x.dtype)
+        return recomputed(rms_norm, x, self.weight, self.eps)
 
 
 def glu_activation(config: K3Config):
     """SiTU-GLU when the config says "situ" (K3), else SwiGLU (Kimi-Linear)."""
     if config.hidden_act == "situ":
         b, lb = config.activation_situ_beta, config.activation_situ_linear_beta
-        return lambda gate, up: situ_glu(gate, up, b, lb)
-    return swiglu
+        return lambda gate, up: recomputed(situ_glu, gate, up, b, lb)
+    return lambda gate, up: recomputed(swiglu, gate, up)
 
 
 class MLP(nn.Module):
@@ -219,7 +233,7 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         tail = state.conv if state is not None else None
-        qkv_act = causal_conv_silu(qkv, conv_w, pos, tail).to(x.dtype)
+        qkv_act = recomputed(causal_conv_silu, qkv, conv_w, pos, tail).to(x.dtype)
         if state is not None:
             state.conv = torch.cat([state.conv, qkv.to(state.conv.dtype)], dim=1)[:, -(self.W - 1):]
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv_act.split(H * K, dim=-1))
@@ -444,7 +458,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn(x, mask=ctx.mask, state=layer_cache, absorb=ctx.absorb)
 
     def mix(self, prefix: Tensor, bank: list[Tensor], norm: "RMSNormWeight", proj: nn.Linear, record: bool) -> Tensor:
-        out = attnres_mix(bank + [prefix], norm.weight, proj.weight.view(-1), self.eps, return_weights=record)
+        out = recomputed(attnres_mix, bank + [prefix], norm.weight, proj.weight.view(-1), self.eps, record)
         if record:
             out, w = out
             self.res_weights.append(w.detach().float().flatten(1).mean(1))
@@ -491,8 +505,24 @@ class ForwardContext:
 
 @dataclass
 class CausalLMOutput:
-    logits: Tensor
+    logits: Tensor | None  # None when the loss was computed in chunks (loss_chunk)
     loss: Tensor | None = None
+
+
+def _ce_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+    """Mean fp32 cross-entropy of the logits h @ weight.T over tokens whose label is not -100, without ever
+    holding all the logits: each chunk of `chunk` tokens is checkpointed, so its logits are recomputed in
+    backward. h [N, D], labels [N]. For K3's 163,840-entry vocabulary the full fp32 logits of 8 x 4096 tokens
+    would take 21 GB; a 4096-token chunk takes 2.7 GB. With no valid label the loss is 0, not NaN."""
+    from torch.utils.checkpoint import checkpoint
+    total = h.new_zeros((), dtype=torch.float32)
+    for s in range(0, h.shape[0], chunk):
+        total = total + checkpoint(_ce_sum, h[s:s + chunk], weight, labels[s:s + chunk], use_reentrant=False)
+    return total / (labels != -100).sum().clamp(min=1)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -568,10 +598,13 @@ class K3ForCausalLM(nn.Module):
 
     # ---- run
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
+                cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0,
+                loss_chunk: int = 0) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
         must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update.
-        logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last)."""
+        logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last).
+        loss_chunk: when > 0 and the batch has more tokens than that, the loss is computed chunk by chunk with
+        recomputed logits (`chunked_cross_entropy`) and the output's logits are None."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -614,11 +647,17 @@ class K3ForCausalLM(nn.Module):
             if labels is not None:
                 raise ValueError(f"logits_to_keep={logits_to_keep} cannot be combined with labels (the loss needs all)")
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.model.norm(h.to(dtype)))
+        h = self.model.norm(h.to(dtype))
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0, got {loss_chunk}")
+        if labels is not None and 0 < loss_chunk < B * T:
+            loss = chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), loss_chunk)
+            return CausalLMOutput(logits=None, loss=loss)
+        logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)  # fp32 loss
         return CausalLMOutput(logits=logits, loss=loss)
 

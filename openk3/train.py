@@ -82,6 +82,9 @@ class TrainArgs:
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    # Micro-batches with more tokens than this compute the loss in chunks with recomputed logits (memory: K3's
+    # 163,840-entry vocabulary makes full fp32 logits 0.6 MB a token); 0 = never. Not bit-identical to unchunked.
+    loss_chunk: int = 4096
     balance: str = "quantile"  # quantile | sign | none
     qb_bins: int = 0  # Quantile Balancing histogram bins; 0 = exact (sort every residual)
     sign_rate: float = 1e-3  # bias step of --balance sign
@@ -141,7 +144,7 @@ def check_args(a: TrainArgs) -> None:
         raise ValueError(f"--min-lr-ratio={a.min_lr_ratio}: must be in [0, 1]")
     if not 0 <= a.val_fraction < 1:
         raise ValueError(f"--val-fraction={a.val_fraction}: must be in [0, 1)")
-    for name in ("weight_decay", "grad_clip", "sign_rate"):
+    for name in ("weight_decay", "grad_clip", "sign_rate", "loss_chunk"):
         if getattr(a, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 0")
     if a.balance not in BALANCE_MODES:
@@ -522,7 +525,7 @@ class MLAMaxLogits:
 
 @torch.no_grad()
 def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, tokenizer: Tokenizer, *, batch_size: int, seq_len: int,
-             max_tokens: int | None = None, amp: str = "fp32") -> dict:
+             max_tokens: int | None = None, amp: str = "fp32", loss_chunk: int = TrainArgs.loss_chunk) -> dict:
     """Validation loss (nats per predicted token) and bits per byte over the start of `corpus` in document order.
 
     Predicted tokens: every token of the stream after position 0 that its predecessor predicts, i.e. each
@@ -543,7 +546,8 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, tokenizer: Tokenizer
         if valid == 0:
             continue
         with autocast(amp, device):
-            out = model(batch.input_ids.to(device), labels=labels.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+            out = model(batch.input_ids.to(device), labels=labels.to(device), cu_seqlens=batch.cu_seqlens.to(device),
+                        loss_chunk=loss_chunk)
         nats += float(out.loss) * valid
         count += valid
     # The predicted tokens are stream tokens 1..n (shuffle=False: the stream is the corpus in order).
@@ -660,7 +664,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             model.record_attnres = log_now and micro == args.grad_accum - 1
             batch = next(stream).to(device)
             with autocast(args.dtype, device):
-                out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
+                out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens, loss_chunk=args.loss_chunk)
             (out.loss / args.grad_accum).backward()
             loss_sum += out.loss.item()
             balancer.after_forward()
@@ -689,7 +693,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                       "attnres": attnres_metrics(model)}
             if eval_now:
                 ev = evaluate(model, data.val, data.tokenizer, batch_size=args.batch_size, seq_len=stream.seq_len,
-                              max_tokens=args.eval_tokens, amp=args.dtype)
+                              max_tokens=args.eval_tokens, amp=args.dtype, loss_chunk=args.loss_chunk)
                 record.update(val_loss=ev["loss"], val_bpb=ev["bpb"])
                 result.final_eval = ev
                 bar.write(f"step {step}: train loss {loss:.4f}, val loss {ev['loss']:.4f}, val bpb {ev['bpb']:.4f}")
@@ -782,6 +786,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-lr-ratio", type=float, help=f"final lr / peak lr of the cosine [{d.min_lr_ratio}]")
     p.add_argument("--weight-decay", type=float, help=f"[{d.weight_decay}]")
     p.add_argument("--grad-clip", type=float, help=f"max gradient norm, 0 = off [{d.grad_clip}]")
+    p.add_argument("--loss-chunk", type=int, help=f"tokens per chunk of the loss (recomputed logits), 0 = off "
+                                                  f"[{d.loss_chunk}]")
     p.add_argument("--balance", choices=BALANCE_MODES, help=f"router bias update [{d.balance}]")
     p.add_argument("--qb-bins", type=int, help=f"Quantile Balancing histogram bins, 0 = exact [{d.qb_bins}]")
     p.add_argument("--sign-rate", type=float, help=f"bias step of --balance sign [{d.sign_rate}]")

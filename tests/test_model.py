@@ -165,6 +165,28 @@ def test_backward_reaches_every_parameter_but_not_the_router_bias():
     assert torch.isfinite(out.loss)
 
 
+def test_chunked_loss_equals_full_loss_and_gradients():
+    c = tiny()
+    torch.manual_seed(7)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    ids = torch.randint(0, c.vocab_size, (2, 24))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, :5] = -100  # ignored positions count in neither the sum nor the mean
+    grads = []
+    for chunk in (0, 7):  # 7 does not divide 48: the last chunk is short
+        model.zero_grad()
+        out = model(ids, labels=labels, loss_chunk=chunk)
+        out.loss.backward()
+        assert (out.logits is None) == (chunk > 0)
+        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (full, g_full), (chunked, g_chunked) = grads
+    assert rel_err(chunked, full) < 1e-6
+    assert g_full.keys() == g_chunked.keys()
+    for n in g_full:
+        assert rel_err(g_chunked[n], g_full[n]) < 1e-5, n
+
+
 def test_router_bias_changes_selection_not_weights():
     c = tiny()
     torch.manual_seed(6)
@@ -191,6 +213,8 @@ def test_bad_inputs_name_the_value():
         model(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(torch.tensor([[1, 2, 3, 4]]), cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="loss_chunk must be >= 0, got -1"):
+        model(torch.tensor([[1, 2]]), labels=torch.tensor([[2, 3]]), loss_chunk=-1)
 
 
 def test_meta_build_allocates_nothing():
