@@ -32,8 +32,7 @@ from openk3.ops.situ import situ_glu, swiglu
 def recomputed(fn, *args):
     """fn(*args), keeping only the inputs for backward and running fn again there. For the cheap fp32 elementwise
     chains (norms, AttnRes mixes, SiTU, the short conv) whose saved intermediates would cost far more memory than
-    their recompute costs time: measured on k3-1b, they held about 3 of the 4.5 MB of activations per token
-    outside KDA (docs/training.md)."""
+    their recompute costs time (k3-1b on the CPU: saved activations 7.7 -> 5.0 MB a token; docs/training.md)."""
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
         from torch.utils.checkpoint import checkpoint
         return checkpoint(fn, *args, use_reentrant=False)

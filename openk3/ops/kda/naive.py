@@ -113,19 +113,29 @@ def naive_recurrent_kda(
         q, k = l2norm(q), l2norm(k)
     q = q * scale
 
-    o_rows, states = [], []
-    for n, (row, start, end) in enumerate(sequence_bounds(cu_seqlens, B, T)):
-        S_HKV = (q.new_zeros(H, K, V) if initial_state is None else initial_state[n].float())
-        o_steps = []
-        for t in range(start, end):
-            q_HK, k_HK, v_HV = q[row, t], k[row, t], v[row, t]
-            S_HKV = S_HKV * g[row, t].exp()[:, :, None]
-            error_HV = v_HV - torch.einsum("hk,hkv->hv", k_HK, S_HKV)
-            S_HKV = S_HKV + beta[row, t][:, None, None] * k_HK[:, :, None] * error_HV[:, None, :]
-            o_steps.append(torch.einsum("hk,hkv->hv", q_HK, S_HKV))
-        o_rows.append(torch.stack(o_steps) if o_steps else q.new_zeros(0, H, V))
-        states.append(S_HKV)
+    if cu_seqlens is None:  # every row is one sequence of length T: step them all together
+        S_BHKV = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+        o_BTHV, S_BHKV = delta_rule(S_BHKV, q, k, v, g, beta)
+        return o_BTHV.to(out_dtype), (S_BHKV if output_final_state else None)
+    o_parts, states = [], []
+    for n, (_, start, end) in enumerate(sequence_bounds(cu_seqlens, B, T)):
+        S_1HKV = q.new_zeros(1, H, K, V) if initial_state is None else initial_state[n:n + 1].float()
+        o_1LHV, S_1HKV = delta_rule(S_1HKV, *(x[:, start:end] for x in (q, k, v, g, beta)))
+        o_parts.append(o_1LHV)
+        states.append(S_1HKV)
+    final_state = torch.cat(states) if output_final_state else None
+    return torch.cat(o_parts, dim=1).to(out_dtype), final_state
 
-    o_BTHV = torch.cat(o_rows)[None] if cu_seqlens is not None else torch.stack(o_rows)
-    final_state = torch.stack(states) if output_final_state else None
-    return o_BTHV.to(out_dtype), final_state
+
+def delta_rule(S_NHKV: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """N sequences of one length L through the gated delta rule, one token at a time (all fp32).
+    q, k, g: [N, L, H, K]; v: [N, L, H, V]; beta: [N, L, H]; S: [N, H, K, V]. Returns o [N, L, H, V], S."""
+    o_steps = []
+    for t in range(q.shape[1]):
+        S_NHKV = S_NHKV * g[:, t].exp()[..., None]  # decay each key channel
+        error_NHV = v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S_NHKV)  # what the state mispredicts
+        S_NHKV = S_NHKV + beta[:, t][..., None, None] * k[:, t][..., None] * error_NHV[..., None, :]
+        o_steps.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S_NHKV))
+    N, _, H, V = v.shape
+    o_NLHV = torch.stack(o_steps, dim=1) if o_steps else q.new_zeros(N, 0, H, V)
+    return o_NLHV, S_NHKV
