@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from openk3.balance import route
 from openk3.config import K3Config
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import select_kda_backend
@@ -360,7 +361,7 @@ class Router(nn.Module):
         """-> (topk_idx [T, k], topk_w [T, k] fp32, scores [T, E] fp32)."""
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 router scores, also under bf16 autocast
             s = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
-        idx = torch.topk(s.detach() + self.e_score_correction_bias, self.k, dim=-1).indices
+        idx = route(s.detach(), self.e_score_correction_bias, self.k)  # the bias steers selection only
         w = s.gather(-1, idx)
         if self.renorm:
             w = w / w.sum(-1, keepdim=True)

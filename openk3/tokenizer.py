@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -198,6 +199,7 @@ class BPETokenizer(Tokenizer):
 
     def __init__(self, hf_tokenizer: HFTokenizer):
         self._hf = hf_tokenizer
+        self._flag_lock = threading.Lock()  # encode_special_tokens is a flag on the shared HF object
         special = {t.content: i for i, t in hf_tokenizer.get_added_tokens_decoder().items() if t.special}
         super().__init__(special, BPE_BOS, BPE_EOS, BPE_PAD)
 
@@ -206,10 +208,11 @@ class BPETokenizer(Tokenizer):
         return self._hf.get_vocab_size(with_added_tokens=True)
 
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
-        # `encode_special_tokens = True` makes HF treat special-token strings as plain text.
-        # NOTE: it is a flag on the shared HF object, so do not encode from several threads.
-        self._hf.encode_special_tokens = not allow_special
-        return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+        # `encode_special_tokens = True` makes HF treat special-token strings as plain text. It is a flag on the
+        # shared HF object: the lock keeps another thread from flipping it mid-encode (the server encodes from many).
+        with self._flag_lock:
+            self._hf.encode_special_tokens = not allow_special
+            return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
 
     def _decode_checked(self, ids: list[int], skip_special: bool) -> str:
         return self._hf.decode(ids, skip_special_tokens=skip_special)
