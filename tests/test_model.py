@@ -148,10 +148,7 @@ def test_packed_documents_equal_separate_forwards(family):
 
 
 def test_backward_reaches_every_parameter_but_not_the_router_bias():
-    c = tiny()
-    torch.manual_seed(5)
-    model = K3ForCausalLM(c)
-    randomise_attnres(model)
+    c, model = family_model("k3", 5)
     ids = torch.randint(0, c.vocab_size, (2, 16))
     out = model(ids, labels=torch.roll(ids, -1, 1))
     out.loss.backward()
@@ -166,10 +163,7 @@ def test_backward_reaches_every_parameter_but_not_the_router_bias():
 
 
 def test_chunked_loss_equals_full_loss_and_gradients():
-    c = tiny()
-    torch.manual_seed(7)
-    model = K3ForCausalLM(c)
-    randomise_attnres(model)
+    c, model = family_model("k3", 7)
     ids = torch.randint(0, c.vocab_size, (2, 24))
     labels = torch.roll(ids, -1, 1)
     labels[0, :5] = -100  # ignored positions count in neither the sum nor the mean
