@@ -363,33 +363,35 @@ class PackedDataset:
         token_parts, start_parts = [], []
         while n > 0:
             epoch, within = divmod(start, N)
-            tokens, doc_start = self._epoch_stream(epoch)
             chunk = min(n, N - within)
-            token_parts.append(tokens[within:within + chunk])
-            start_parts.append(doc_start[within:within + chunk])
+            tokens, doc_start = self._epoch_slice(epoch, within, chunk)
+            token_parts.append(tokens)
+            start_parts.append(doc_start)
             start, n = start + chunk, n - chunk
         return np.concatenate(token_parts), np.concatenate(start_parts)
 
-    def _epoch_stream(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens int32 [N], doc_start bool [N]) of one epoch: the documents in its order."""
+    def _epoch_slice(self, epoch: int, within: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [within, within + n) of one epoch (its documents back to back in the epoch's order) and
+        whether each begins a document. Only the order is kept per epoch, never a permuted copy of the corpus:
+        memory is O(documents), so many streams over one corpus are cheap (train.RowStreams)."""
+        order, new_starts = self._epoch_order(epoch)
+        pos = np.arange(within, within + n)
+        k = np.searchsorted(new_starts, pos, side="right") - 1  # the epoch's k-th document holds pos
+        source = self.corpus.doc_offsets[:-1][order[k]] + (pos - new_starts[k])
+        return self.corpus.tokens[source], pos == new_starts[k]
+
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, where each starts in the epoch's stream) of one epoch."""
         if epoch not in self._epoch_cache:
-            offsets = self.corpus.doc_offsets
-            lengths = np.diff(offsets)
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(self.corpus.num_docs)
             else:
                 order = np.arange(self.corpus.num_docs)
-            new_starts = np.concatenate([[0], np.cumsum(lengths[order])[:-1]])
-            # Token j of the epoch, inside the k-th document of `order`, is source token
-            # offsets[order[k]] + (j - new_starts[k]).
-            shift = np.repeat(offsets[:-1][order] - new_starts, lengths[order])
-            source = np.arange(self.corpus.num_tokens) + shift
-            doc_start = np.zeros(self.corpus.num_tokens, dtype=bool)
-            doc_start[new_starts] = True
-            # Epochs are visited in increasing order, so only the previous one can still be
-            # needed (by a batch that straddles the boundary); drop older ones to bound memory.
+            lengths = np.diff(self.corpus.doc_offsets)[order]
+            # Epochs are visited in increasing order, so only the previous one can still be needed (by a batch
+            # that straddles the boundary).
             self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
-            self._epoch_cache[epoch] = (self.corpus.tokens[source], doc_start)
+            self._epoch_cache[epoch] = (order, np.concatenate([[0], np.cumsum(lengths)[:-1]]))
         return self._epoch_cache[epoch]
 
     def state_dict(self) -> dict:

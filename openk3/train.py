@@ -334,8 +334,8 @@ class RowStreams:
     NOTE: a single PackedDataset cuts its B rows from B*T consecutive tokens of one stream, so a long file fills
     many consecutive batches: in the default run, html/entities.py (39k tokens of one dict literal) was 19 steps
     in a row, drove the training loss to 2.7 and then back up to 7.9 on the next file. Independent rows make
-    every batch a sample of B unrelated documents. Each row keeps its own epoch stream (int32 + bool per corpus
-    token), so memory grows with B; fine for the corpora a single-process trainer reads.
+    every batch a sample of B unrelated documents. Each row keeps only its epoch's document order (one int per
+    document), so B rows cost B x documents x 8 bytes.
     Same interface as PackedDataset: iterate, `seq_len` settable between batches, state_dict / load_state_dict."""
 
     ROW_SEED_STRIDE = 2**20  # row b of run seed s uses s * stride + b: distinct for every batch size below it
