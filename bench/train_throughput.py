@@ -42,6 +42,11 @@ def flops_per_token(config, doc_len: int) -> float:
     return dense + mla + kda
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_backend(name: str, config, args) -> dict:
     os.environ["OPENK3_KDA_BACKEND"] = name
     device = torch.device(args.device)
@@ -56,28 +61,49 @@ def run_backend(name: str, config, args) -> dict:
     B, T = args.batch_size, args.seq_len
     # documents of 1/4 of a row: the varlen path that real packed training takes
     cu = torch.arange(0, B * T + 1, T // 4, device=device)
-    times = []
-    for step in range(args.warmup + args.steps):
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "step": []}
+
+    def step() -> tuple[float, ...]:
         ids = torch.randint(0, config.vocab_size, (B, T), device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
             loss = model(ids, labels=ids.roll(-1, 1), cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
+        sync(device)
+        t1 = time.perf_counter()
         loss.backward()
+        sync(device)
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        print(f"  [{name}] step {step} {dt * 1e3:.0f} ms loss {loss.item():.3f}", flush=True)
-        if step >= args.warmup:
-            times.append(dt)
+        sync(device)
+        t3 = time.perf_counter()
+        return loss.item(), t1 - t0, t2 - t1, t3 - t2, t3 - t0
+
+    for i in range(args.warmup + args.steps):
+        loss, *dts = step()
+        print(f"  [{name}] step {i} {dts[-1] * 1e3:.0f} ms (forward {dts[0] * 1e3:.0f}, backward {dts[1] * 1e3:.0f}, "
+              f"optimizer {dts[2] * 1e3:.0f}) loss {loss:.3f}", flush=True)
+        if i >= args.warmup:
+            for key, dt in zip(phases, dts):
+                phases[key].append(dt)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+        sort = "cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=30)
+        path = Path(args.out).with_suffix(f".{name}.profile.txt")
+        path.write_text(table + "\n")
+        print(f"  [{name}] profile of one step (top 30 by {sort}) -> {path}")
+    times = phases["step"]
     step_s = sorted(times)[len(times) // 2]
     tok_s = B * T / step_s
     fpt = flops_per_token(config, T // 4)
     peak = PEAK_BF16.get(torch.cuda.get_device_name(device) if device.type == "cuda" else "", None)
     res = {"backend": name, "reason": backend.reason, "median_step_s": step_s, "tokens_per_s": tok_s,
+           **{f"median_{k}_s": sorted(v)[len(v) // 2] for k, v in phases.items() if k != "step"},
            "model_tflops_per_s": fpt * tok_s / 1e12, "mfu": fpt * tok_s / peak if peak else None,
            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None}
     del model, opt
@@ -98,6 +124,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk (recomputed logits), 0 = off")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile one more step and write the top-30 ops next to --out")
     ap.add_argument("--fla-fixed-configs", action="store_true",
                     help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
     ap.add_argument("--out", default="bench/results/train_throughput.json")
@@ -119,11 +147,13 @@ def main() -> None:
     for name in args.backends.split(","):
         results.append(run_backend(name, config, args))
         out.write_text(json.dumps({**header, "results": results}, indent=2))
-        print(f"{'backend':8} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}")
+        print(f"{'backend':8} {'step s':>8} {'fwd s':>7} {'bwd s':>7} {'opt s':>7} {'tokens/s':>10} {'TFLOP/s':>8} "
+              f"{'MFU':>6} {'mem GiB':>8}")
         for r in results:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
             mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
-            print(f"{r['backend']:8} {r['median_step_s']:8.3f} {r['tokens_per_s']:10.0f} "
+            print(f"{r['backend']:8} {r['median_step_s']:8.3f} {r['median_forward_s']:7.3f} {r['median_backward_s']:7.3f} "
+                  f"{r['median_optimizer_s']:7.3f} {r['tokens_per_s']:10.0f} "
                   f"{r['model_tflops_per_s']:8.1f} {mfu:>6} {mem:>8}", flush=True)
 
 
