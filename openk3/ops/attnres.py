@@ -18,6 +18,7 @@ is cast back to the sources' dtype.
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -59,7 +60,7 @@ def attnres_mix(
     if proj_weight.shape not in ((D,), (1, D)):
         raise ValueError(f"proj_weight must be [{D}] or [1, {D}], got {tuple(proj_weight.shape)}")
 
-    key_SxD = V_SxD * torch.rsqrt(V_SxD.pow(2).mean(-1, keepdim=True) + eps)
+    key_SxD = F.rms_norm(V_SxD, (D,), eps=eps)  # V * rsqrt(mean(V^2) + eps): RMSNorm without its weight
     query_D = norm_weight.to(dtype) * proj_weight.reshape(D).to(dtype)
     logit_Sx = key_SxD @ query_D
     weight_Sx = torch.softmax(logit_Sx, dim=0)
