@@ -51,6 +51,7 @@ from openk3.config import PRESETS, K3Config, get_config
 from openk3.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                          tokenize_corpus)
 from openk3.model import GatedMLA, K3ForCausalLM
+from openk3.ops import select_kda_backend
 from openk3.optim import build_optimizer, cosine_schedule, qk_clip_mla_
 from openk3.tokenizer import Tokenizer, get_or_train_tokenizer
 
@@ -637,6 +638,11 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.config}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers; "
           f"QAT {'on' if qat else 'off'}; balance {args.balance}; device {device} {args.dtype}")
+    kda_backend = select_kda_backend(device)
+    print(f"  {kda_backend}")
+    if kda_backend.name == "fla":
+        print("  note: fla autotunes each Triton kernel on its first call; on a fresh machine the first step can take "
+              "minutes (measured: over 5 on an H200). Triton caches the result under TRITON_CACHE_DIR.")
 
     end = args.stop_at or args.steps
     result = TrainResult(run_dir)
