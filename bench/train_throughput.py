@@ -5,8 +5,8 @@
 Each backend runs the same steps (forward, backward, Muon+AdamW step) on random tokens in packed documents;
 prints a table, writes JSON (default bench/results/train_throughput.json) after every backend, and states the
 hardware. MFU counts 6 x active non-embedding parameters per token (lm_head included) plus causal MLA attention
-(6 * H * (qk + v) * L/2 per token per MLA layer, L = the document length, T/4) and the KDA recurrence (3 * 8 * H * K * V per token per KDA layer),
-against the H200's dense bf16 peak of 989 TFLOP/s (datasheet).
+(6 * H * (qk + v) * L/2 per token per MLA layer, L = the document length, T/4) and the KDA recurrence
+(3 * 8 * H * K * V per token per KDA layer), against the H200's dense bf16 peak of 989 TFLOP/s (datasheet).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def main() -> None:
     config = get_config(args.preset)
     counts = count_params(config)
     hw = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
-    header = {"preset": args.preset, **counts, "hardware": hw, "torch": torch.__version__, "batch_size":
-              args.batch_size, "seq_len": args.seq_len, "dtype": args.dtype, "fla_fixed_configs": args.fla_fixed_configs,
-              "doc_len": args.seq_len // 4,
+    header = {"preset": args.preset, **counts, "hardware": hw, "torch": torch.__version__,
+              "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype": args.dtype,
+              "fla_fixed_configs": args.fla_fixed_configs, "doc_len": args.seq_len // 4,
               "flops_per_token": flops_per_token(config, args.seq_len // 4)}
     print(json.dumps(header))
     results = []
@@ -152,8 +152,8 @@ def main() -> None:
         for r in results:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
             mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
-            print(f"{r['backend']:8} {r['median_step_s']:8.3f} {r['median_forward_s']:7.3f} {r['median_backward_s']:7.3f} "
-                  f"{r['median_optimizer_s']:7.3f} {r['tokens_per_s']:10.0f} "
+            print(f"{r['backend']:8} {r['median_step_s']:8.3f} {r['median_forward_s']:7.3f} "
+                  f"{r['median_backward_s']:7.3f} {r['median_optimizer_s']:7.3f} {r['tokens_per_s']:10.0f} "
                   f"{r['model_tflops_per_s']:8.1f} {mfu:>6} {mem:>8}", flush=True)
 
 

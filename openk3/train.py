@@ -670,7 +670,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             model.record_attnres = log_now and micro == args.grad_accum - 1
             batch = next(stream).to(device)
             with autocast(args.dtype, device):
-                out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens, loss_chunk=args.loss_chunk)
+                out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
+                            loss_chunk=args.loss_chunk)
             (out.loss / args.grad_accum).backward()
             loss_sum += out.loss.item()
             balancer.after_forward()
