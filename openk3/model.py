@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from openk3.balance import route
 from openk3.config import K3Config
@@ -35,7 +36,6 @@ def recomputed(fn, *args):
     chains (norms, AttnRes mixes, SiTU, the short conv) whose saved intermediates would cost far more memory than
     their recompute costs time (k3-1b on the CPU: saved activations 7.7 -> 5.0 MB a token; docs/training.md)."""
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-        from torch.utils.checkpoint import checkpoint
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
@@ -516,13 +516,12 @@ def _ce_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
 
 def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
     """Mean fp32 cross-entropy of the logits h @ weight.T over tokens whose label is not -100, without ever
-    holding all the logits: each chunk of `chunk` tokens is checkpointed, so its logits are recomputed in
+    holding all the logits: each chunk of `chunk` tokens is `recomputed`, so its logits are rebuilt in
     backward. h [N, D], labels [N]. For K3's 163,840-entry vocabulary the full fp32 logits of 8 x 4096 tokens
     would take 21 GB; a 4096-token chunk takes 2.7 GB. With no valid label the loss is 0, not NaN."""
-    from torch.utils.checkpoint import checkpoint
     total = h.new_zeros((), dtype=torch.float32)
     for s in range(0, h.shape[0], chunk):
-        total = total + checkpoint(_ce_sum, h[s:s + chunk], weight, labels[s:s + chunk], use_reentrant=False)
+        total = total + recomputed(_ce_sum, h[s:s + chunk], weight, labels[s:s + chunk])
     return total / (labels != -100).sum().clamp(min=1)
 
 
