@@ -50,8 +50,13 @@ from openk3.model import K3ForCausalLM  # noqa: E402
 # ------------------------------------------------------------------------------------------------ tasks
 
 
-def mqar(batch: int, seq: int, vocab: int, pairs: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Multi-query associative recall, Zoology's layout. -> inputs [B, seq], labels [B, seq] (int64)."""
+def mqar(batch: int, seq: int, vocab: int, pairs: int, gen: torch.Generator, layout: str = "zoology"
+         ) -> tuple[Tensor, Tensor]:
+    """Multi-query associative recall. -> inputs [B, seq], labels [B, seq] (int64).
+
+    layout "zoology": the queries (each key followed by its value) sit at random places of the rest of the sequence,
+    which is filled with random tokens (Zoology's MQAR, the paper's). layout "adjacent": the queries follow the
+    pairs at once and the random filler comes after them (the recall issue's description)."""
     if 4 * pairs > seq:
         raise ValueError(f"mqar needs seq >= 4 * pairs, got seq={seq}, pairs={pairs}")
     half = vocab // 2
@@ -59,9 +64,13 @@ def mqar(batch: int, seq: int, vocab: int, pairs: int, gen: torch.Generator) -> 
     values = half + torch.randint(0, vocab - half, (batch, pairs), generator=gen)
     x = torch.randint(0, vocab, (batch, seq), generator=gen)
     x[:, 0:2 * pairs:2], x[:, 1:2 * pairs:2] = keys, values
-    # queries at distinct even offsets of the rest, so a query never overwrites another's value slot
-    slots = (seq - 2 * pairs) // 2
-    where = 2 * pairs + 2 * torch.argsort(torch.rand(batch, slots, generator=gen), dim=1)[:, :pairs]
+    if layout == "zoology":  # distinct even offsets of the rest, so a query never overwrites another's value slot
+        slots = (seq - 2 * pairs) // 2
+        where = 2 * pairs + 2 * torch.argsort(torch.rand(batch, slots, generator=gen), dim=1)[:, :pairs]
+    elif layout == "adjacent":
+        where = (2 * pairs + 2 * torch.arange(pairs)).expand(batch, pairs)
+    else:
+        raise ValueError(f"unknown mqar layout {layout!r}: not one of zoology, adjacent")
     order = torch.argsort(torch.rand(batch, pairs, generator=gen), dim=1)
     qk, qv = keys.gather(1, order), values.gather(1, order)
     x.scatter_(1, where, qk)
@@ -106,9 +115,10 @@ def stack(batch: int, seq: int, vocab: int, gen: torch.Generator) -> tuple[Tenso
     return x, labels
 
 
-def make_batch(task: str, batch: int, seq: int, vocab: int, pairs: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+def make_batch(task: str, batch: int, seq: int, vocab: int, pairs: int, gen: torch.Generator,
+               layout: str = "zoology") -> tuple[Tensor, Tensor]:
     if task == "mqar":
-        return mqar(batch, seq, vocab, pairs, gen)
+        return mqar(batch, seq, vocab, pairs, gen, layout)
     if task == "palindrome":
         return palindrome(batch, seq, vocab, gen)
     if task == "stack":
@@ -238,7 +248,7 @@ def accuracy(model: nn.Module, data: tuple[Tensor, Tensor], batch: int) -> tuple
     return right / scored, loss / scored
 
 
-def train_one(task: str, seq: int, kind: str, args, log) -> dict:
+def train_one(task: str, seq: int, kind: str, args, log, save=lambda run: None) -> dict:
     device = torch.device(args.device)
     model = build(kind, args, seq, args.seed).to(device)
     groups = decay_groups(model, args.weight_decay) if args.decay_matrices_only else model.parameters()
@@ -253,11 +263,16 @@ def train_one(task: str, seq: int, kind: str, args, log) -> dict:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    held = make_batch(task, args.eval_size, seq, args.vocab, args.pairs, torch.Generator().manual_seed(12345))
+    held = make_batch(task, args.eval_size, seq, args.vocab, args.pairs, torch.Generator().manual_seed(12345),
+                      args.layout)
     held = (held[0].to(device), held[1].to(device))
     curve, t0 = [], time.time()
+
+    def summary(curve):
+        return run_summary(task, seq, kind, args, model, device, curve)
+
     for step in range(1, args.steps + 1):
-        x, y = make_batch(task, args.batch, seq, args.vocab, args.pairs, gen)
+        x, y = make_batch(task, args.batch, seq, args.vocab, args.pairs, gen, args.layout)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x).float()
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
@@ -272,11 +287,17 @@ def train_one(task: str, seq: int, kind: str, args, log) -> dict:
                           "seconds": round(time.time() - t0, 1)})
             log(f"  {task:10s} seq {seq:5d} {kind:12s} step {step:5d}  train loss {float(loss):.3f}  "
                 f"held-out loss {val:.3f}  accuracy {100 * acc:6.2f}%  ({time.time() - t0:.0f} s)")
+            save(summary(curve))
             if acc >= args.stop_at:
                 break
+    return summary(curve)
+
+
+def run_summary(task, seq, kind, args, model, device, curve) -> dict:
     return {"task": task, "seq": seq, "model": kind, "backend": backend_name(kind, device),
             "steps": curve[-1]["step"], "accuracy": curve[-1]["accuracy"], "curve": curve,
-            "pairs": args.pairs if task == "mqar" else None, "vocab": args.vocab, "lr": args.lr, "init": args.init,
+            "pairs": args.pairs if task == "mqar" else None,
+            "layout": args.layout if task == "mqar" else None, "vocab": args.vocab, "lr": args.lr, "init": args.init,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -335,6 +356,7 @@ def main(argv=None) -> None:
     p.add_argument("--decay-matrices-only", action="store_true")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--layout", choices=("zoology", "adjacent"), default="zoology", help="where MQAR's queries go")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
@@ -361,11 +383,13 @@ def main(argv=None) -> None:
     for task in args.tasks.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
             for kind in args.models.split(","):
-                run = train_one(task, seq, kind, args, lambda s: print(s, flush=True))
-                result["runs"].append(run)
-                tmp = out.with_suffix(".tmp")
-                tmp.write_text(json.dumps(result, indent=1))
-                os.replace(tmp, out)
+                def save(run, n=len(result["runs"])):  # after every evaluation, so a killed run keeps its curve
+                    result["runs"][n:] = [run]
+                    tmp = out.with_suffix(".tmp")
+                    tmp.write_text(json.dumps(result, indent=1))
+                    os.replace(tmp, out)
+
+                save(train_one(task, seq, kind, args, lambda s: print(s, flush=True), save))
     print(f"\n| task | seq | model | backend | steps | accuracy |\n|---|---|---|---|---|---|")
     for r in result["runs"]:
         print(f"| {r['task']} | {r['seq']} | {r['model']} | {r['backend']} | {r['steps']} | {100 * r['accuracy']:.2f}% |")

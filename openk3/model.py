@@ -584,9 +584,11 @@ class K3ForCausalLM(nn.Module):
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):
                 H, K = attn.H, attn.K
-                attn.A_log.copy_(torch.log(torch.rand(H, generator=gen) * 15 + 1))  # Kimi-Linear: A in [1, 16]
+                # drawn on the CPU (the generator's device) and copied in, so a model on any device initialises alike
+                A = torch.rand(H, generator=gen) * 15 + 1  # Kimi-Linear: A in [1, 16]
+                attn.A_log.copy_(A.log())
                 dt = torch.exp(torch.rand(H * K, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-                a = attn.A_log.exp().repeat_interleave(K)
+                a = A.repeat_interleave(K)
                 if attn.lower_bound is not None:
                     # g = lb * sigmoid(a * dt_bias) = -dt at f = 0
                     attn.dt_bias.copy_(torch.logit(dt / -attn.lower_bound) / a)

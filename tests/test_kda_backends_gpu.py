@@ -65,7 +65,7 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, bound, 
         monkeypatch.setattr(model_module, "recomputed", lambda fn, *args: fn(*args))
     torch.manual_seed(0)
     model = K3ForCausalLM(recall_kda_config(gate)).cuda()
-    model.reset_parameters(seed=1)
+    model.reset_parameters(seed=1)  # on the GPU: reset_parameters used to fail there (CPU generator, CUDA A_log)
     # Train it a little first (torch backend): at init the gates and output projections are all alike, which can
     # hide a wrong gradient; a few steps give every parameter a distinct, non-trivial role.
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
