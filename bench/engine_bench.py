@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from openk3.cache import cache_bytes_per_token  # noqa: E402
 from openk3.config import get_config  # noqa: E402
-from openk3.engine import Engine, EngineConfig, SamplingParams, early_exit_draft  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.ops import select_kda_backend  # noqa: E402
+from openk3.serve.cache import cache_bytes_per_token  # noqa: E402
+from openk3.serve.engine import Engine, EngineConfig, SamplingParams, early_exit_draft  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_bench import hardware  # noqa: E402  (bench/ is the script's directory)
 
 from openk3.config import get_config  # noqa: E402
-from openk3.engine import Engine, EngineConfig  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
-from openk3.server import Server, create_app  # noqa: E402
-from openk3.tokenizer import train_bpe  # noqa: E402
+from openk3.serve.engine import Engine, EngineConfig  # noqa: E402
+from openk3.serve.server import Server, create_app  # noqa: E402
+from openk3.text.tokenizer import train_bpe  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

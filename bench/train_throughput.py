@@ -23,7 +23,7 @@ import torch
 from openk3.config import get_config
 from openk3.model import K3ForCausalLM, count_params
 from openk3.ops import select_kda_backend
-from openk3.optim import build_optimizer
+from openk3.train.optim import build_optimizer
 
 PEAK_BF16 = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
 

@@ -48,7 +48,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_init(args: argparse.Namespace) -> None:
-    from openk3.checkpoint import init_checkpoint
+    from openk3.model.checkpoint import init_checkpoint
     from openk3.config import get_config
 
     init_checkpoint(get_config(args.config), args.out, seed=args.seed)
@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_init)
 
-    from openk3 import engine, server, train
+    from openk3.serve import engine, server
+    from openk3.train import trainer
 
-    train.add_commands(sub)  # train, eval
+    trainer.add_commands(sub)  # train, eval
     engine.register_commands(sub)  # generate, chat
     server.register_commands(sub)  # serve
 

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from openk3.balance import route
 from openk3.config import K3Config
+from openk3.ops import moe_experts
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import select_kda_backend
-from openk3.ops import moe_experts
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
+from openk3.train.balance import route
 
 
 def recomputed(fn, *args):
@@ -672,11 +672,11 @@ class K3ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None) -> "K3ForCausalLM":
-        from openk3.checkpoint import load_pretrained
+        from openk3.model.checkpoint import load_pretrained
         return load_pretrained(path, device=device, dtype=dtype)
 
     def save_pretrained(self, path, max_shard_bytes: int = 2 * 1024 ** 3) -> None:
-        from openk3.checkpoint import save_pretrained
+        from openk3.model.checkpoint import save_pretrained
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
 

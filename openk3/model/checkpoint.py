@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from openk3.config import K3Config
-from openk3.model import K3ForCausalLM, count_params
+from openk3.model.model import K3ForCausalLM, count_params
 from openk3.ops.mxfp import dequantize_mxfp4, pack_e2m1, quantize_mxfp4, unpack_e2m1
 
 log = logging.getLogger(__name__)

@@ -45,15 +45,15 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from openk3 import balance
-from openk3.checkpoint import load_pretrained, save_pretrained
 from openk3.config import PRESETS, K3Config, get_config
-from openk3.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
-                         tokenize_corpus)
-from openk3.model import GatedMLA, K3ForCausalLM
+from openk3.model.checkpoint import load_pretrained, save_pretrained
+from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
-from openk3.optim import build_optimizer, cosine_schedule, qk_clip_mla_
-from openk3.tokenizer import Tokenizer, get_or_train_tokenizer
+from openk3.text.tokenizer import Tokenizer, get_or_train_tokenizer
+from openk3.train import balance
+from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
+                               tokenize_corpus)
+from openk3.train.optim import build_optimizer, cosine_schedule, qk_clip_mla_
 
 # ------------------------------------------------------------------------------------------------- settings
 
@@ -560,7 +560,7 @@ def generate(model: K3ForCausalLM, tokenizer: Tokenizer, prompt: str, *, max_tok
              temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> list[int]:
     """Sample up to `max_tokens` token ids after [BOS] + prompt through the inference engine, stopping at EOS
     (not returned). temperature 0 = greedy."""
-    from openk3.engine import Engine, SamplingParams
+    from openk3.serve.engine import Engine, SamplingParams
 
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k}: must be >= 1")
@@ -710,7 +710,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         bar.update(1)
         if step % args.ckpt_every == 0 or step == end:
             save_checkpoint(run_dir, step, model, data.tokenizer, args, trainer_state())
-            from openk3 import plots  # matplotlib costs a second to import: only once there is something to draw
+            # matplotlib costs a second to import: only once there is something to draw
+            from openk3.train import plots
 
             plots.plot_run(run_dir)  # 0.3 s
     bar.close()

@@ -53,10 +53,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk3.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
-                           chat_stop_ids, encode_message)
+from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
+                                 chat_stop_ids, encode_message)
 
-log = logging.getLogger("openk3.server")
+log = logging.getLogger("openk3.serve.server")
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (also capped by the room left in the context)
 
@@ -749,7 +749,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from openk3.train import load_for_inference
+    from openk3.train.trainer import load_for_inference
 
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")

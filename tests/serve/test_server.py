@@ -20,13 +20,13 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openk3.engine import Engine, EngineConfig, SamplingParams, chat_stop_ids
 from openk3.model import K3ForCausalLM
-from openk3.server import (OutputParser, Server, TextDiff, cmd_serve, create_app, encode_conversation,
-                           register_commands)
-from openk3.tokenizer import train_bpe
-from openk3.train import load_for_inference
-from tests.test_cache import small_config
+from openk3.serve.engine import Engine, EngineConfig, SamplingParams, chat_stop_ids
+from openk3.serve.server import (OutputParser, Server, TextDiff, cmd_serve, create_app, encode_conversation,
+                                 register_commands)
+from openk3.text.tokenizer import train_bpe
+from openk3.train.trainer import load_for_inference
+from tests.serve.test_cache import small_config
 
 NAME = "k3-test"
 MAX_CONTEXT = 256

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from openk3.cache import (KDAState, Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states,
-                          new_kda_states, paged_cache, rollback_kda, select_kda_rows)
-from openk3.model import K3ForCausalLM
+from openk3.model.model import K3ForCausalLM
+from openk3.serve.cache import (KDAState, Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states,
+                                new_kda_states, paged_cache, rollback_kda, select_kda_rows)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -668,7 +668,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _engine_from_args(args: argparse.Namespace):
-    from openk3.train import load_for_inference
+    from openk3.train.trainer import load_for_inference
 
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     draft = None
