@@ -1,4 +1,4 @@
-"""Benchmarks of the openk3 inference engine (openk3/engine.py); prints tables and writes JSON.
+"""Benchmarks of the openk3 inference engine (openk3/serve/engine.py); prints tables and writes JSON.
 
     python bench/engine_bench.py                                   # CPU, tiny preset (docs/engine.md)
     python bench/engine_bench.py --device cuda --preset k3-1b      # GPU, the ~1B K3-shaped preset, bf16

@@ -1,4 +1,4 @@
-"""Load benchmark of the OpenAI-compatible server (openk3/server.py); prints a table and writes JSON.
+"""Load benchmark of the OpenAI-compatible server (openk3/serve/server.py); prints a table and writes JSON.
 
     python bench/server_bench.py                               # in-process server, random-init tiny model, CPU
     python bench/server_bench.py --url http://127.0.0.1:8000 --model NAME   # a running `openk3 serve`

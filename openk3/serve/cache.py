@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from openk3.config import K3Config
-from openk3.model.model import K3Cache, KDAState
+from openk3.model.state import K3Cache, KDAState
 from openk3.ops.kda import select_kda_backend
 
 

@@ -1,4 +1,4 @@
-"""The training loop (`openk3 train`) and `openk3 eval`; `openk3 generate` (engine.py) samples from the result.
+"""The training loop (`openk3 train`) and `openk3 eval`; `openk3 generate` (serve/engine.py) samples from the result.
 
     openk3 train                         # tiny preset, stdlib corpus, CPU: trains, checkpoints, prints a sample
     openk3 train --out runs/a --resume   # continue runs/a exactly where its last checkpoint left it
@@ -17,7 +17,7 @@ The run directory (`--out`, default `runs/<config>-<time>`):
     tokenizer/           the tokenizer: a BPE trained on the training documents, or the one given by --tokenizer
     tokens-*.npz         tokenized corpora (cache)
     metrics.jsonl        one JSON object per logged step (keys: `METRIC_KEYS`, plus val_loss/val_bpb on eval steps)
-    plots/*.png          loss curves, expert-load heat map, AttnRes mixing weights (openk3/plots.py)
+    plots/*.png          loss curves, expert-load heat map, AttnRes mixing weights (openk3/train/plots.py)
     checkpoints/step_000300/   a release-format model dir (checkpoint.save_pretrained) + tokenizer + train_args.json
                                + trainer_state.pt (fp32 master weights, optimizer, data position, RNG)
     checkpoints/latest   the name of the newest complete checkpoint
