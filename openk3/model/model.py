@@ -27,9 +27,9 @@ from openk3.model.state import K3Cache, KDAState, MLAState
 from openk3.ops import moe_experts
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import select_kda_backend
+from openk3.ops.moe import route
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
-from openk3.train.balance import route
 
 
 def recomputed(fn, *args):
