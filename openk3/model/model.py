@@ -593,15 +593,6 @@ class K3ForCausalLM(nn.Module):
         for m in self.moe_layers():
             m.qat = on
 
-    @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None) -> "K3ForCausalLM":
-        from openk3.model.checkpoint import load_pretrained
-        return load_pretrained(path, device=device, dtype=dtype)
-
-    def save_pretrained(self, path, max_shard_bytes: int = 2 * 1024 ** 3) -> None:
-        from openk3.model.checkpoint import save_pretrained
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
-
 
 # ---------------------------------------------------------------------------- parameter counting
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from openk3.model.checkpoint import load_for_inference
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import (KDAState, Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states,
                                 new_kda_states, paged_cache, rollback_kda, select_kda_rows)
@@ -668,8 +669,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _engine_from_args(args: argparse.Namespace):
-    from openk3.train.trainer import load_for_inference
-
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     draft = None
     if args.draft is not None:

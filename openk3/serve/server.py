@@ -53,6 +53,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from openk3.model.checkpoint import load_for_inference
 from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
                                  chat_stop_ids, encode_message)
 
@@ -749,8 +750,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from openk3.train.trainer import load_for_inference
-
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
     model, tokenizer, _ = load_for_inference(args.model, args.device)

@@ -46,7 +46,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from openk3.config import PRESETS, K3Config, get_config
-from openk3.model.checkpoint import load_pretrained, save_pretrained
+from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, LATEST, load_for_inference, load_pretrained,
+                                     save_pretrained)
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
 from openk3.text.tokenizer import Tokenizer, get_or_train_tokenizer
@@ -121,10 +122,7 @@ PER_INVOCATION = ("stop_at", "threads", "progress")
 BALANCE_MODES = ("quantile", "sign", "none")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
-ARGS_FILE = "train_args.json"
 METRICS_FILE = "metrics.jsonl"
 SPLIT_SEED = 0  # the train/val split does not move with --seed, so runs with different seeds share one val set
 
@@ -234,24 +232,6 @@ def resolve_train_args(cli: dict, resume: bool) -> TrainArgs:
             raise ValueError(f"--resume: cannot change --{k.replace('_', '-')} of a run ({saved[k]!r} -> "
                              f"{given[k]!r}); start a new run instead")
     return TrainArgs(**{**saved, **given})
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """The model directory `path` names: a checkpoint (or any model) directory itself, or a run directory, which
-    names its latest checkpoint."""
-    path = Path(path)
-    latest = path / CHECKPOINTS / LATEST
-    if latest.is_file():
-        return path / CHECKPOINTS / latest.read_text().strip()
-    has_weights = (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file()
-    if (path / "config.json").is_file() and has_weights:
-        return path
-    if (path / ARGS_FILE).is_file():
-        raise FileNotFoundError(f"run directory {path} has no checkpoint yet ({CHECKPOINTS}/{LATEST})")
-    if path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a model directory (config.json + safetensors weights) nor a "
-                                f"run directory")
-    raise FileNotFoundError(f"no model or run directory at {path}")
 
 
 def save_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, tokenizer: Tokenizer, args: TrainArgs,
@@ -411,15 +391,6 @@ def autocast(args_dtype: str, device: torch.device):
     if args_dtype == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
-    """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
-    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
-    model_dir = find_checkpoint(path)
-    model = load_pretrained(model_dir, device=device)
-    model.set_qat(model.config.mxfp4_experts)
-    return model, Tokenizer.load(model_dir), model_dir
 
 
 # ------------------------------------------------------------------------------------------------- balancing

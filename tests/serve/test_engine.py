@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openk3.model import K3ForCausalLM
+from openk3.model.checkpoint import save_pretrained
 from openk3.serve.cache import PagePool
 from openk3.serve.engine import (Engine, EngineConfig, SamplingParams, accept_draft, chat_stop_ids, early_exit_draft,
                                  encode_chat, filtered_probs, register_commands)
@@ -321,7 +322,7 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
     config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     model = K3ForCausalLM(config)
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     tokenizer.save(tmp_path)
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
@@ -330,7 +331,7 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
                               "--temperature", "0", "--json", "--device", "cpu"])
     args.fn(args)
     out = json.loads(capsys.readouterr().out)
-    from openk3.train.trainer import load_for_inference
+    from openk3.model.checkpoint import load_for_inference
     loaded, _, _ = load_for_inference(tmp_path)
     want = Engine(loaded, EngineConfig(prefix_cache=False)).generate(
         [[tokenizer.bos_id] + tokenizer.encode("hello")],
