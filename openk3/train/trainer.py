@@ -46,8 +46,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from openk3.config import PRESETS, K3Config, get_config
-from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, LATEST, load_for_inference, load_pretrained,
-                                     save_pretrained)
+from openk3.model.checkpoint import ARGS_FILE, CHECKPOINTS, LATEST, load_for_inference, save_pretrained
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
 from openk3.text.tokenizer import Tokenizer, get_or_train_tokenizer
