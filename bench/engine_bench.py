@@ -185,7 +185,7 @@ def bench_cache_bytes(model, args) -> list[dict]:
 def bench_speculative(model, args, rng) -> list[dict]:
     if args.draft_layers is None:  # the engine's page pool needs an MLA layer in the draft
         c = model.config
-        args.draft_layers = max(3, 1 + next(i for i in range(c.num_hidden_layers) if not c.is_kda_layer(i)))
+        args.draft_layers = max(3, 1 + c.layer_types.index("mla"))
     draft = early_exit_draft(model, args.draft_layers)
     print(f"  draft: the target's first {args.draft_layers} of {model.config.num_hidden_layers} layers")
     rows = []

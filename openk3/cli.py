@@ -19,7 +19,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     config = get_config(args.config)
     counts = count_params(config)
     n = config.num_hidden_layers
-    kda = sum(config.is_kda_layer(i) for i in range(n))
+    kda = config.layer_types.count("kda")
     info = {
         **counts,
         "layers": n,

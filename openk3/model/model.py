@@ -355,7 +355,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         D = config.hidden_size
         self.i = i
-        self.is_kda = config.is_kda_layer(i)
+        self.is_kda = config.layer_types[i] == "kda"
         self.self_attn = KimiDeltaAttention(config) if self.is_kda else GatedMLA(config)
         if config.is_moe_layer(i):
             self.block_sparse_moe = MoE(config)

@@ -73,8 +73,8 @@ class K3Cache:
     @classmethod
     def empty(cls, config: K3Config, batch: int, max_len: int, device=None, dtype=torch.float32) -> "K3Cache":
         layers = []
-        for i in range(config.num_hidden_layers):
-            if config.is_kda_layer(i):
+        for kind in config.layer_types:
+            if kind == "kda":
                 layers.append(KDAState.zeros(config, batch, device, dtype))
             else:
                 width = config.kv_lora_rank + config.qk_rope_head_dim
