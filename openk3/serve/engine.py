@@ -659,11 +659,11 @@ def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `generate` and `chat` on an argparse sub-parser set (for openk3/cli.py)."""
-    p = sub.add_parser("generate", help="continue a prompt with the inference engine")
+    """Register `generate` and `chat` on an argparse sub-parser set (their one-line help is in openk3/cli.py)."""
+    p = sub.add_parser("generate")
     add_engine_args(p)
     p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("chat", help="multi-turn chat in the terminal (shows cached prompt tokens per turn)")
+    p = sub.add_parser("chat")
     add_engine_args(p, chat=True)
     p.set_defaults(fn=cmd_chat)
 

@@ -732,8 +732,8 @@ class Server:
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `serve` on an argparse sub-parser set (for openk3/cli.py)."""
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine")
+    """Register `serve` on an argparse sub-parser set (its one-line help is in openk3/cli.py)."""
+    p = sub.add_parser("serve")
     p.add_argument("--model", required=True, help="model directory or run directory (its latest checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)

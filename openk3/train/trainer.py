@@ -740,12 +740,12 @@ def print_summary(result: TrainResult, step: int, args: TrainArgs) -> None:
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `train` and `eval` on the `openk3` parser (`generate` and `chat` are the engine's)."""
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `train` and `eval` on the `openk3` parser (their one-line help is in openk3/cli.py)."""
     d = TrainArgs()
     # Every default is None here, the real one in [brackets]: resolve_train_args tells given flags from defaults
     # (a resumed run keeps its own settings).
-    p = sub.add_parser("train", help="train a model (default: tiny preset on the stdlib, CPU, about 5 minutes)")
+    p = sub.add_parser("train")
     p.add_argument("--config", help=f"preset {sorted(PRESETS)} or config.json path [{d.config}]")
     p.add_argument("--data", help="corpus: a file, a .jsonl file or a directory [the stdlib's .py files]")
     p.add_argument("--vocab-size", type=int, help=f"BPE vocabulary size trained for the run [{d.vocab_size}]")
@@ -790,7 +790,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("eval", help="validation loss and bits per byte of a trained model")
+    p = sub.add_parser("eval")
     p.add_argument("--model", required=True, help="checkpoint directory or run directory (its latest checkpoint)")
     p.add_argument("--data", default=None, help="corpus to score [the run's held-out documents]")
     p.add_argument("--batch-size", type=int, default=8)
