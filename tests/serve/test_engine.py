@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from openk3.model import K3ForCausalLM
 from openk3.model.checkpoint import save_pretrained
 from openk3.serve.cache import PagePool
-from openk3.serve.engine import (Engine, EngineConfig, SamplingParams, accept_draft, chat_stop_ids, early_exit_draft,
-                                 encode_chat, filtered_probs, register_commands)
+from openk3.serve.engine import (Engine, EngineConfig, SamplingParams, chat_stop_ids, early_exit_draft, encode_chat,
+                                 register_commands)
+from openk3.serve.sampler import accept_draft, filtered_probs
 from openk3.text.tokenizer import train_bpe
 from tests.serve.test_cache import small_config, small_model
 
@@ -357,7 +358,7 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
 
 def test_extreme_sampling_parameters_stay_finite():
     """A tiny temperature is the greedy limit and a tiny top_p keeps the most likely token: no NaN, no empty set."""
-    from openk3.serve.engine import SamplingParams, filtered_probs
+    from openk3.serve.sampler import SamplingParams, filtered_probs
 
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 5
     for params in (SamplingParams(temperature=1e-300), SamplingParams(top_p=1e-300),
