@@ -1,4 +1,4 @@
-"""Benchmarks of the openk3 inference engine (openk3/engine.py); prints tables and writes JSON.
+"""Benchmarks of the openk3 inference engine (openk3/serve/engine.py); prints tables and writes JSON.
 
     python bench/engine_bench.py                                   # CPU, tiny preset (docs/engine.md)
     python bench/engine_bench.py --device cuda --preset k3-1b      # GPU, the ~1B K3-shaped preset, bf16
@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from openk3.cache import cache_bytes_per_token  # noqa: E402
 from openk3.config import get_config  # noqa: E402
-from openk3.engine import Engine, EngineConfig, SamplingParams, early_exit_draft  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.ops import select_kda_backend  # noqa: E402
+from openk3.serve.cache import cache_bytes_per_token  # noqa: E402
+from openk3.serve.engine import Engine, EngineConfig, SamplingParams, early_exit_draft  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -185,7 +185,7 @@ def bench_cache_bytes(model, args) -> list[dict]:
 def bench_speculative(model, args, rng) -> list[dict]:
     if args.draft_layers is None:  # the engine's page pool needs an MLA layer in the draft
         c = model.config
-        args.draft_layers = max(3, 1 + next(i for i in range(c.num_hidden_layers) if not c.is_kda_layer(i)))
+        args.draft_layers = max(3, 1 + c.layer_types.index("mla"))
     draft = early_exit_draft(model, args.draft_layers)
     print(f"  draft: the target's first {args.draft_layers} of {model.config.num_hidden_layers} layers")
     rows = []

@@ -1,4 +1,4 @@
-"""Load benchmark of the OpenAI-compatible server (openk3/server.py); prints a table and writes JSON.
+"""Load benchmark of the OpenAI-compatible server (openk3/serve/server.py); prints a table and writes JSON.
 
     python bench/server_bench.py                               # in-process server, random-init tiny model, CPU
     python bench/server_bench.py --url http://127.0.0.1:8000 --model NAME   # a running `openk3 serve`
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_bench import hardware  # noqa: E402  (bench/ is the script's directory)
 
 from openk3.config import get_config  # noqa: E402
-from openk3.engine import Engine, EngineConfig  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
-from openk3.server import Server, create_app  # noqa: E402
-from openk3.tokenizer import train_bpe  # noqa: E402
+from openk3.serve.engine import Engine, EngineConfig  # noqa: E402
+from openk3.serve.server import Server, create_app  # noqa: E402
+from openk3.text.tokenizer import train_bpe  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,7 +23,7 @@ import torch
 from openk3.config import get_config
 from openk3.model import K3ForCausalLM, count_params
 from openk3.ops import select_kda_backend
-from openk3.optim import build_optimizer
+from openk3.train.optim import build_optimizer
 
 PEAK_BF16 = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
 
@@ -35,7 +35,7 @@ def flops_per_token(config, doc_len: int) -> float:
     dense = 6 * counts["active_params"]
     lac = config.linear_attn_config
     n = config.num_hidden_layers
-    n_kda = sum(config.is_kda_layer(i) for i in range(n))
+    n_kda = config.layer_types.count("kda")
     qd = config.qk_nope_head_dim + config.qk_rope_head_dim
     mla = (n - n_kda) * 6 * config.num_attention_heads * (qd + config.v_head_dim) * doc_len / 2
     kda = n_kda * 3 * 8 * lac.num_heads * lac.head_dim * lac.head_dim

@@ -1,12 +1,27 @@
 """The `openk3` command: info, init, train, eval, generate, chat, serve.
 
-Each subcommand is a small function that parses its own arguments and calls into the package."""
+A command imports only what it needs: `openk3 info` never loads the trainer, `openk3 train` never loads FastAPI.
+`COMMANDS` names the module that defines each command and its line in `openk3 --help`. Only the module of the
+command being run is imported, and its `register_commands(sub)` adds that command's parser with all its flags;
+every other command gets a bare parser, there only so `openk3 --help` lists it. info and init live here."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+
+# command -> (the module whose register_commands defines it, its one-line help)
+COMMANDS = {
+    "info": ("openk3.cli", "parameter counts and layer schedule of a config (nothing is allocated)"),
+    "init": ("openk3.cli", "write a randomly initialised checkpoint in the released layout"),
+    "train": ("openk3.train.trainer", "train a model (default: tiny preset on the stdlib, CPU, about 5 minutes)"),
+    "eval": ("openk3.train.trainer", "validation loss and bits per byte of a trained model"),
+    "generate": ("openk3.serve.engine", "continue a prompt with the inference engine"),
+    "chat": ("openk3.serve.engine", "multi-turn chat in the terminal (shows cached prompt tokens per turn)"),
+    "serve": ("openk3.serve.server", "an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine"),
+}
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -19,7 +34,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     config = get_config(args.config)
     counts = count_params(config)
     n = config.num_hidden_layers
-    kda = sum(config.is_kda_layer(i) for i in range(n))
+    kda = config.layer_types.count("kda")
     info = {
         **counts,
         "layers": n,
@@ -48,34 +63,42 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_init(args: argparse.Namespace) -> None:
-    from openk3.checkpoint import init_checkpoint
     from openk3.config import get_config
+    from openk3.model.checkpoint import init_checkpoint
 
     init_checkpoint(get_config(args.config), args.out, seed=args.seed)
     print(f"wrote a randomly initialised {args.config} checkpoint to {args.out}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="openk3", description="Kimi K3: model, training, inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("info", help="parameter counts and layer schedule of a config (nothing is allocated)")
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `info` and `init` (their one-line help is in `COMMANDS`)."""
+    p = sub.add_parser("info")
     p.add_argument("--config", default="tiny", help="preset (kimi-k3, kimi-linear-48b, tiny) or config.json path")
     p.add_argument("--json", action="store_true", help="print JSON with total_params and active_params")
     p.set_defaults(fn=cmd_info)
 
-    p = sub.add_parser("init", help="write a randomly initialised checkpoint in the released layout")
+    p = sub.add_parser("init")
     p.add_argument("--config", default="tiny")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_init)
 
-    from openk3 import engine, server, train
 
-    train.add_commands(sub)  # train, eval
-    engine.register_commands(sub)  # generate, chat
-    server.register_commands(sub)  # serve
-
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="openk3", description="Kimi K3: model, training, inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # The top-level parser has no options of its own, so the command, if any, is the first argument.
+    chosen = COMMANDS[argv[0]][0] if argv and argv[0] in COMMANDS else None
+    registered = False
+    for name, (module, help) in COMMANDS.items():
+        if module != chosen:
+            sub.add_parser(name, help=help)
+        elif not registered:
+            # NOTE: under `python -m openk3.cli` this file is __main__; importing "openk3.cli" would run it twice.
+            this = sys.modules[__name__]
+            (this if module == "openk3.cli" else importlib.import_module(module)).register_commands(sub)
+            registered = True
     args = parser.parse_args(argv)
     try:
         args.fn(args)

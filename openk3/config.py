@@ -91,9 +91,14 @@ class K3Config:
             self.num_key_value_heads = self.num_attention_heads
         _validate(self)
 
-    # ---- the layer schedule (0-indexed helpers over the 1-indexed config lists) ----
-    def is_kda_layer(self, i: int) -> bool:
-        return (i + 1) in self.linear_attn_config.kda_layers
+    # ---- the layer schedule (0-indexed, over the 1-indexed config lists) ----
+    @property
+    def layer_types(self) -> list[str]:
+        """The token mixer of each layer, 0-indexed: "kda" or "mla" (from linear_attn_config.kda_layers, which
+        `_validate` checks covers every layer once together with full_attn_layers). The one place the schedule
+        is derived; the model, the caches and the CLI read it from here."""
+        kda = set(self.linear_attn_config.kda_layers)
+        return ["kda" if i + 1 in kda else "mla" for i in range(self.num_hidden_layers)]
 
     def is_moe_layer(self, i: int) -> bool:
         # HF Kimi-Linear's rule (0-indexed): dense before first_k_dense_replace, then MoE every moe_layer_freq layers

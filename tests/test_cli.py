@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openk3.cli import main
-from openk3.model import K3ForCausalLM
+from openk3.model.checkpoint import load_pretrained, save_pretrained
 
 
 def test_info_json_gives_the_release_counts(capsys):
@@ -25,9 +25,9 @@ def test_info_human_readable_names_the_backends(capsys):
 
 def test_init_then_reload_gives_identical_logits(tmp_path):
     main(["init", "--config", "tiny", "--out", str(tmp_path / "ckpt"), "--seed", "3"])
-    a = K3ForCausalLM.from_pretrained(tmp_path / "ckpt")
-    a.save_pretrained(tmp_path / "again")  # loaded experts are MXFP4-exact, so the round trip is lossless
-    b = K3ForCausalLM.from_pretrained(tmp_path / "again")
+    a = load_pretrained(tmp_path / "ckpt")
+    save_pretrained(a, tmp_path / "again")  # loaded experts are MXFP4-exact, so the round trip is lossless
+    b = load_pretrained(tmp_path / "again")
     ids = torch.randint(0, a.config.vocab_size, (2, 19))
     with torch.no_grad():
         la, lb = a(ids).logits, b(ids).logits
@@ -35,7 +35,7 @@ def test_init_then_reload_gives_identical_logits(tmp_path):
     # the seed matters: a different seed gives a different model
     main(["init", "--config", "tiny", "--out", str(tmp_path / "other"), "--seed", "4"])
     with torch.no_grad():
-        assert not torch.equal(K3ForCausalLM.from_pretrained(tmp_path / "other")(ids).logits, la)
+        assert not torch.equal(load_pretrained(tmp_path / "other")(ids).logits, la)
 
 
 def test_bad_config_is_a_clear_error(capsys):

@@ -20,11 +20,11 @@ def test_release_preset_is_the_release_config():
 
 def test_release_layer_schedule():
     c = kimi_k3()
-    kda = [i for i in range(93) if c.is_kda_layer(i)]
-    mla = [i for i in range(93) if not c.is_kda_layer(i)]
+    kda = [i for i in range(93) if c.layer_types[i] == "kda"]
+    mla = [i for i in range(93) if c.layer_types[i] == "mla"]
     assert len(kda) == 69 and len(mla) == 24
     assert mla == [i for i in range(3, 92, 4)] + [92]
-    assert not c.is_kda_layer(91) and not c.is_kda_layer(92)
+    assert c.layer_types[91] == "mla" and c.layer_types[92] == "mla"
     assert not c.is_moe_layer(0) and all(c.is_moe_layer(i) for i in range(1, 93))
 
 
@@ -52,8 +52,7 @@ def test_tiny_has_every_k3_feature():
     assert c.latent_moe and c.latent_moe_use_norm and c.num_shared_experts >= 1
     assert c.mxfp4_experts and c.hidden_act == "situ" and c.mla_use_output_gate
     assert c.linear_attn_config.gate_lower_bound == -5.0 and c.linear_attn_config.use_full_rank_gate
-    assert any(c.is_kda_layer(i) for i in range(c.num_hidden_layers))
-    assert any(not c.is_kda_layer(i) for i in range(c.num_hidden_layers))
+    assert "kda" in c.layer_types and "mla" in c.layer_types
 
 
 @pytest.mark.parametrize("make", [kimi_k3, kimi_linear_48b, tiny])

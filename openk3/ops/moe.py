@@ -1,6 +1,7 @@
 """Routed experts of a MoE layer: the loop reference and the grouped-matmul version.
 
-The router (scores, top-k, bias) lives in the model; these functions take its output and compute
+The router's weights and bias live in the model; `route` (its top-k selection) is here, below both the model's
+Router and train/balance.py, which share it. The expert functions take the router's output and compute
 
     y_t = sum_k topk_w[t, k] * E_{topk_idx[t, k]}(x_t),   E_e(x) = w2[e] act(w1[e] x, w3[e] x)
 
@@ -26,6 +27,11 @@ from torch import Tensor
 
 Activation = Callable[[Tensor, Tensor], Tensor]
 WeightFn = Callable[[Tensor], Tensor]
+
+
+def route(scores_MN: Tensor, bias_N: Tensor, k: int) -> Tensor:
+    """The router's selection, topk(s + bias, k), as expert indices [M, k] (spec 4)."""
+    return (scores_MN.float() + bias_N.float()).topk(k, dim=1).indices
 
 
 def _check_inputs(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor) -> None:

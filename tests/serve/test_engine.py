@@ -10,12 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openk3.cache import PagePool
-from openk3.engine import (Engine, EngineConfig, SamplingParams, accept_draft, chat_stop_ids, early_exit_draft,
-                           encode_chat, filtered_probs, register_commands)
 from openk3.model import K3ForCausalLM
-from openk3.tokenizer import train_bpe
-from tests.test_cache import small_config, small_model
+from openk3.model.checkpoint import save_pretrained
+from openk3.serve.cache import PagePool
+from openk3.serve.engine import (Engine, EngineConfig, SamplingParams, chat_stop_ids, early_exit_draft, encode_chat,
+                                 register_commands)
+from openk3.serve.sampler import accept_draft, filtered_probs
+from openk3.text.tokenizer import train_bpe
+from tests.serve.test_cache import small_config, small_model
 
 GREEDY = dict(temperature=0.0, stop_token_ids=())
 
@@ -321,7 +323,7 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
     config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     model = K3ForCausalLM(config)
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     tokenizer.save(tmp_path)
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
@@ -330,7 +332,7 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
                               "--temperature", "0", "--json", "--device", "cpu"])
     args.fn(args)
     out = json.loads(capsys.readouterr().out)
-    from openk3.train import load_for_inference
+    from openk3.model.checkpoint import load_for_inference
     loaded, _, _ = load_for_inference(tmp_path)
     want = Engine(loaded, EngineConfig(prefix_cache=False)).generate(
         [[tokenizer.bos_id] + tokenizer.encode("hello")],
@@ -356,7 +358,7 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
 
 def test_extreme_sampling_parameters_stay_finite():
     """A tiny temperature is the greedy limit and a tiny top_p keeps the most likely token: no NaN, no empty set."""
-    from openk3.engine import SamplingParams, filtered_probs
+    from openk3.serve.sampler import SamplingParams, filtered_probs
 
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 5
     for params in (SamplingParams(temperature=1e-300), SamplingParams(top_p=1e-300),

@@ -15,18 +15,19 @@ parameters' dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from openk3.balance import route
 from openk3.config import K3Config
+from openk3.model.state import K3Cache, KDAState, MLAState
+from openk3.ops import moe_experts
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import select_kda_backend
-from openk3.ops import moe_experts
+from openk3.ops.moe import route
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
 
@@ -76,84 +77,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-
-
-# ----------------------------------------------------------------------------------------- caches
-
-@dataclass
-class KDAState:
-    """Per-layer KDA decode state: the recurrent state [B, H, K, V] fp32 and the conv tail
-    [B, W-1, 3*H*K] (the last W-1 projected q|k|v inputs, before the conv).
-
-    With `keep_inputs` set, each forward also leaves its per-token inputs in `inputs`: "qkv" (the raw projections
-    [B, T, 3*H*K] that feed the conv tail), "k" [B, T, H, K] and "v" [B, T, H, V] (after conv and SiLU), "g"
-    [B, T, H, K] and "beta" [B, T, H] (fp32). Speculative decoding rolls the state back by recomputing an accepted
-    prefix from them instead of copying the state per draft token (openk3/cache.py `rollback_kda`)."""
-
-    recurrent: Tensor
-    conv: Tensor
-    keep_inputs: bool = False
-    inputs: dict[str, Tensor] | None = None
-
-    @classmethod
-    def zeros(cls, config: K3Config, batch: int, device=None, dtype=torch.float32) -> "KDAState":
-        """The state before any token: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K] in `dtype`."""
-        lac = config.linear_attn_config
-        H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
-        return cls(recurrent=torch.zeros(batch, H, K, K, device=device),
-                   conv=torch.zeros(batch, W - 1, 3 * H * K, device=device, dtype=dtype))
-
-
-@dataclass
-class MLAState:
-    """Per-layer MLA latent cache: [B, max_len, kv_lora + rope] ([c | k_pe], normed c), filled up to `length`.
-
-    `GatedMLA` uses a cache only through `append`, so the engine's paged cache for ragged batches
-    (openk3/cache.py `PagedMLA`) can stand in for it."""
-
-    latent: Tensor
-    length: int = 0
-
-    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
-        """Write T new latents after the cached ones. Returns every latent the new queries attend to [B, S, C]
-        (S = the length after the write) and the mask [1, 1, T, S] (True = may attend): query t sits at position
-        length + t and sees keys 0..length + t."""
-        T = lat_BTC.shape[1]
-        P = self.length
-        if P + T > self.latent.shape[1]:
-            raise ValueError(f"MLA cache full: {P} + {T} tokens > max_len {self.latent.shape[1]}")
-        self.latent[:, P:P + T] = lat_BTC.to(self.latent.dtype)
-        self.length = P + T
-        device = lat_BTC.device
-        mask = torch.arange(P + T, device=device)[None, :] <= P + torch.arange(T, device=device)[:, None]
-        return self.latent[:, :P + T], mask[None, None]
-
-
-@dataclass
-class K3Cache:
-    """Decode caches for a batch of equal-length sequences, one entry per layer.
-
-    The engine's paged, ragged cache builds on the same per-layer pieces."""
-
-    layers: list = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, config: K3Config, batch: int, max_len: int, device=None, dtype=torch.float32) -> "K3Cache":
-        layers = []
-        for i in range(config.num_hidden_layers):
-            if config.is_kda_layer(i):
-                layers.append(KDAState.zeros(config, batch, device, dtype))
-            else:
-                width = config.kv_lora_rank + config.qk_rope_head_dim
-                layers.append(MLAState(latent=torch.zeros(batch, max_len, width, device=device, dtype=dtype)))
-        return cls(layers)
-
-    @property
-    def length(self) -> int:
-        for s in self.layers:
-            if isinstance(s, MLAState):
-                return s.length
-        raise ValueError("cache has no MLA layer to read the length from")
 
 
 # ------------------------------------------------------------------------------------ token mixers
@@ -432,7 +355,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         D = config.hidden_size
         self.i = i
-        self.is_kda = config.is_kda_layer(i)
+        self.is_kda = config.layer_types[i] == "kda"
         self.self_attn = KimiDeltaAttention(config) if self.is_kda else GatedMLA(config)
         if config.is_moe_layer(i):
             self.block_sparse_moe = MoE(config)
@@ -671,15 +594,6 @@ class K3ForCausalLM(nn.Module):
         """MXFP4 quantisation-aware training of routed experts (and MXFP8 expert inputs), spec section 5."""
         for m in self.moe_layers():
             m.qat = on
-
-    @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None) -> "K3ForCausalLM":
-        from openk3.checkpoint import load_pretrained
-        return load_pretrained(path, device=device, dtype=dtype)
-
-    def save_pretrained(self, path, max_shard_bytes: int = 2 * 1024 ** 3) -> None:
-        from openk3.checkpoint import save_pretrained
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
 
 # ---------------------------------------------------------------------------- parameter counting

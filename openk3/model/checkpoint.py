@@ -46,8 +46,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from openk3.config import K3Config
-from openk3.model import K3ForCausalLM, count_params
+from openk3.model.model import K3ForCausalLM, count_params
 from openk3.ops.mxfp import dequantize_mxfp4, pack_e2m1, quantize_mxfp4, unpack_e2m1
+from openk3.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ SINGLE_FILE_NAME = "model.safetensors"  # HF's name for an unsharded checkpoint;
 K3_PREFIX = "language_model."
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default shard size
 MAX_INIT_PARAMS = 20e9  # init_checkpoint builds the whole model in memory
+# A training run's directory (train/trainer.py) keeps its checkpoints under checkpoints/, names the newest in
+# checkpoints/latest and holds train_args.json; `find_checkpoint` reads this layout so serving needs no trainer.
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+ARGS_FILE = "train_args.json"
 
 # ---------------------------------------------------------------------------------- the name table
 
@@ -476,3 +482,32 @@ def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: tor
     model.to_empty(device="cpu")
     model.reset_parameters(seed)
     save_pretrained(model, out_dir, max_shard_bytes=max_shard_bytes)
+
+
+# ----------------------------------------------------------------------------- run directories
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The model directory `path` names: a checkpoint (or any model) directory itself, or a run directory, which
+    names its latest checkpoint."""
+    path = Path(path)
+    latest = path / CHECKPOINTS / LATEST
+    if latest.is_file():
+        return path / CHECKPOINTS / latest.read_text().strip()
+    has_weights = (path / INDEX_NAME).is_file() or (path / SINGLE_FILE_NAME).is_file()
+    if (path / CONFIG_NAME).is_file() and has_weights:
+        return path
+    if (path / ARGS_FILE).is_file():
+        raise FileNotFoundError(f"run directory {path} has no checkpoint yet ({CHECKPOINTS}/{LATEST})")
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is neither a model directory (config.json + safetensors weights) nor a "
+                                f"run directory")
+    raise FileNotFoundError(f"no model or run directory at {path}")
+
+
+def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
+    """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
+    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
+    model_dir = find_checkpoint(path)
+    model = load_pretrained(model_dir, device=device)
+    model.set_qat(model.config.mxfp4_experts)
+    return model, Tokenizer.load(model_dir), model_dir

@@ -20,13 +20,13 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openk3.engine import Engine, EngineConfig, SamplingParams, chat_stop_ids
 from openk3.model import K3ForCausalLM
-from openk3.server import (OutputParser, Server, TextDiff, cmd_serve, create_app, encode_conversation,
-                           register_commands)
-from openk3.tokenizer import train_bpe
-from openk3.train import load_for_inference
-from tests.test_cache import small_config
+from openk3.model.checkpoint import load_for_inference, save_pretrained
+from openk3.serve.engine import Engine, EngineConfig, SamplingParams, chat_stop_ids
+from openk3.serve.server import (OutputParser, Server, TextDiff, cmd_serve, create_app, encode_conversation,
+                                 register_commands)
+from openk3.text.tokenizer import train_bpe
+from tests.serve.test_cache import small_config
 
 NAME = "k3-test"
 MAX_CONTEXT = 256
@@ -55,7 +55,7 @@ def model_dir(tmp_path_factory):
     config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     path = tmp_path_factory.mktemp("model")
-    K3ForCausalLM(config).save_pretrained(path)
+    save_pretrained(K3ForCausalLM(config), path)
     tokenizer.save(path)
     return path
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from openk3.balance import (QuantileHistogram, balance_residuals, expert_load, load_stats,
-                            quantile_balance_exact, route, sign_update)
+from openk3.train.balance import (QuantileHistogram, balance_residuals, expert_load, load_stats, quantile_balance_exact,
+                                  route, sign_update)
 
 
 def skewed_scores(m: int, n: int, generator: torch.Generator) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The training loop (`openk3 train`) and `openk3 eval`; `openk3 generate` (engine.py) samples from the result.
+"""The training loop (`openk3 train`) and `openk3 eval`; `openk3 generate` (serve/engine.py) samples from the result.
 
     openk3 train                         # tiny preset, stdlib corpus, CPU: trains, checkpoints, prints a sample
     openk3 train --out runs/a --resume   # continue runs/a exactly where its last checkpoint left it
@@ -17,7 +17,7 @@ The run directory (`--out`, default `runs/<config>-<time>`):
     tokenizer/           the tokenizer: a BPE trained on the training documents, or the one given by --tokenizer
     tokens-*.npz         tokenized corpora (cache)
     metrics.jsonl        one JSON object per logged step (keys: `METRIC_KEYS`, plus val_loss/val_bpb on eval steps)
-    plots/*.png          loss curves, expert-load heat map, AttnRes mixing weights (openk3/plots.py)
+    plots/*.png          loss curves, expert-load heat map, AttnRes mixing weights (openk3/train/plots.py)
     checkpoints/step_000300/   a release-format model dir (checkpoint.save_pretrained) + tokenizer + train_args.json
                                + trainer_state.pt (fp32 master weights, optimizer, data position, RNG)
     checkpoints/latest   the name of the newest complete checkpoint
@@ -45,15 +45,15 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from openk3 import balance
-from openk3.checkpoint import load_pretrained, save_pretrained
 from openk3.config import PRESETS, K3Config, get_config
-from openk3.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
-                         tokenize_corpus)
-from openk3.model import GatedMLA, K3ForCausalLM
+from openk3.model.checkpoint import ARGS_FILE, CHECKPOINTS, LATEST, load_for_inference, save_pretrained
+from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
-from openk3.optim import build_optimizer, cosine_schedule, qk_clip_mla_
-from openk3.tokenizer import Tokenizer, get_or_train_tokenizer
+from openk3.text.tokenizer import Tokenizer, get_or_train_tokenizer
+from openk3.train import balance
+from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
+                               tokenize_corpus)
+from openk3.train.optim import build_optimizer, cosine_schedule, qk_clip_mla_
 
 # ------------------------------------------------------------------------------------------------- settings
 
@@ -121,10 +121,7 @@ PER_INVOCATION = ("stop_at", "threads", "progress")
 BALANCE_MODES = ("quantile", "sign", "none")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
-ARGS_FILE = "train_args.json"
 METRICS_FILE = "metrics.jsonl"
 SPLIT_SEED = 0  # the train/val split does not move with --seed, so runs with different seeds share one val set
 
@@ -234,24 +231,6 @@ def resolve_train_args(cli: dict, resume: bool) -> TrainArgs:
             raise ValueError(f"--resume: cannot change --{k.replace('_', '-')} of a run ({saved[k]!r} -> "
                              f"{given[k]!r}); start a new run instead")
     return TrainArgs(**{**saved, **given})
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """The model directory `path` names: a checkpoint (or any model) directory itself, or a run directory, which
-    names its latest checkpoint."""
-    path = Path(path)
-    latest = path / CHECKPOINTS / LATEST
-    if latest.is_file():
-        return path / CHECKPOINTS / latest.read_text().strip()
-    has_weights = (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file()
-    if (path / "config.json").is_file() and has_weights:
-        return path
-    if (path / ARGS_FILE).is_file():
-        raise FileNotFoundError(f"run directory {path} has no checkpoint yet ({CHECKPOINTS}/{LATEST})")
-    if path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a model directory (config.json + safetensors weights) nor a "
-                                f"run directory")
-    raise FileNotFoundError(f"no model or run directory at {path}")
 
 
 def save_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, tokenizer: Tokenizer, args: TrainArgs,
@@ -413,15 +392,6 @@ def autocast(args_dtype: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
-    """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
-    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
-    model_dir = find_checkpoint(path)
-    model = load_pretrained(model_dir, device=device)
-    model.set_qat(model.config.mxfp4_experts)
-    return model, Tokenizer.load(model_dir), model_dir
-
-
 # ------------------------------------------------------------------------------------------------- balancing
 
 
@@ -560,7 +530,7 @@ def generate(model: K3ForCausalLM, tokenizer: Tokenizer, prompt: str, *, max_tok
              temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> list[int]:
     """Sample up to `max_tokens` token ids after [BOS] + prompt through the inference engine, stopping at EOS
     (not returned). temperature 0 = greedy."""
-    from openk3.engine import Engine, SamplingParams
+    from openk3.serve.engine import Engine, SamplingParams
 
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k}: must be >= 1")
@@ -710,7 +680,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         bar.update(1)
         if step % args.ckpt_every == 0 or step == end:
             save_checkpoint(run_dir, step, model, data.tokenizer, args, trainer_state())
-            from openk3 import plots  # matplotlib costs a second to import: only once there is something to draw
+            # matplotlib costs a second to import: only once there is something to draw
+            from openk3.train import plots
 
             plots.plot_run(run_dir)  # 0.3 s
     bar.close()
@@ -769,12 +740,12 @@ def print_summary(result: TrainResult, step: int, args: TrainArgs) -> None:
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `train` and `eval` on the `openk3` parser (`generate` and `chat` are the engine's)."""
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `train` and `eval` on the `openk3` parser (their one-line help is in openk3/cli.py)."""
     d = TrainArgs()
     # Every default is None here, the real one in [brackets]: resolve_train_args tells given flags from defaults
     # (a resumed run keeps its own settings).
-    p = sub.add_parser("train", help="train a model (default: tiny preset on the stdlib, CPU, about 5 minutes)")
+    p = sub.add_parser("train")
     p.add_argument("--config", help=f"preset {sorted(PRESETS)} or config.json path [{d.config}]")
     p.add_argument("--data", help="corpus: a file, a .jsonl file or a directory [the stdlib's .py files]")
     p.add_argument("--vocab-size", type=int, help=f"BPE vocabulary size trained for the run [{d.vocab_size}]")
@@ -819,7 +790,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("eval", help="validation loss and bits per byte of a trained model")
+    p = sub.add_parser("eval")
     p.add_argument("--model", required=True, help="checkpoint directory or run directory (its latest checkpoint)")
     p.add_argument("--data", default=None, help="corpus to score [the run's held-out documents]")
     p.add_argument("--batch-size", type=int, default=8)

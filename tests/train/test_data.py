@@ -9,18 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from openk3.data import (
-    IGNORE_INDEX,
-    STDLIB_EXCLUDED_DIRS,
-    Document,
-    PackedDataset,
-    TokenizedCorpus,
-    load_corpus,
-    split_train_val,
-    stdlib_corpus,
-    tokenize_corpus,
-)
-from openk3.tokenizer import train_bpe
+from openk3.text.tokenizer import train_bpe
+from openk3.train.data import (IGNORE_INDEX, STDLIB_EXCLUDED_DIRS, Document, PackedDataset, TokenizedCorpus,
+                               load_corpus, split_train_val, stdlib_corpus, tokenize_corpus)
 
 BOS, EOS = 1, 2
 

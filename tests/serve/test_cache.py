@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from openk3.cache import (KDAState, PagedSeq, PagePool, PrefixCache, cache_bytes_per_token, cat_kda_states,
-                          new_kda_states, paged_cache, rollback_kda, select_kda_rows)
 from openk3.config import K3Config, kimi_k3, tiny
 from openk3.model import K3ForCausalLM, KimiDeltaAttention
+from openk3.serve.cache import (KDAState, PagedSeq, PagePool, PrefixCache, cache_bytes_per_token, cat_kda_states,
+                                new_kda_states, paged_cache, rollback_kda, select_kda_rows)
 from tests.helpers import rel_err
 
 

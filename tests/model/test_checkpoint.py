@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from openk3 import checkpoint
-from openk3.checkpoint import (init_checkpoint, iter_checkpoint_tensors, load_pretrained, name_map, read_index,
-                               save_pretrained)
 from openk3.config import kimi_k3, kimi_linear_48b, tiny
+from openk3.model import checkpoint
 from openk3.model import K3ForCausalLM
+from openk3.model.checkpoint import (init_checkpoint, iter_checkpoint_tensors, load_pretrained, name_map, read_index,
+                                     save_pretrained)
 from openk3.ops.mxfp import dequantize_mxfp4, fake_quant_mxfp4, quantize_mxfp4
 
 SMALL_SHARDS = 200_000  # bytes: the tiny model (~4 MB in fp32) splits into many shards

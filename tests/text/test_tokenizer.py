@@ -11,17 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openk3.data import load_corpus
-from openk3.tokenizer import (
-    BPE_SPECIAL_TOKENS,
-    KIMI_SPECIAL_TOKEN_OFFSETS,
-    BPETokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-    get_or_train_tokenizer,
-    load_tiktoken,
-    train_bpe,
-)
+from openk3.text.tokenizer import (BPE_SPECIAL_TOKENS, KIMI_SPECIAL_TOKEN_OFFSETS, BPETokenizer, TiktokenTokenizer,
+                                   Tokenizer, get_or_train_tokenizer, load_tiktoken, train_bpe)
+from openk3.train.data import load_corpus
 
 TRICKY_TEXTS = [
     "",

@@ -1,4 +1,4 @@
-"""PNG plots of a training run, drawn from its metrics.jsonl (the format is documented in train.py).
+"""PNG plots of a training run, drawn from its metrics.jsonl (the format is documented in trainer.py).
 
     plot_run("runs/tiny-...")   # -> plots/loss.png, plots/expert_load.png, plots/attnres.png
 

@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-import openk3.model as model_module
 from openk3.config import K3Config
 from openk3.model import K3ForCausalLM
+import openk3.model.model as model_module
 from openk3.ops.kda.backend import BACKEND_ENV, _select
 from tests.helpers import rel_norm_err
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from openk3.tokenizer import Tokenizer
+from openk3.text.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100  # label of a position with no target (torch cross_entropy's default ignore_index)
 

@@ -26,6 +26,8 @@ realistic m.
 import torch
 from torch import Tensor
 
+from openk3.ops.moe import route  # noqa: F401  (the selection the bias steers; the model's Router calls it too)
+
 
 def _check_router_inputs(scores_MN: Tensor, bias_N: Tensor, k: int) -> None:
     if scores_MN.ndim != 2 or scores_MN.shape[0] == 0:
@@ -167,11 +169,6 @@ def sign_update(bias_N: Tensor, loads_N: Tensor, rate: float = 1e-3) -> Tensor:
                          f"got {tuple(loads_N.shape)}")
     loads_N = loads_N.double()
     return (bias_N.double() + rate * torch.sign(loads_N.mean() - loads_N)).float()
-
-
-def route(scores_MN: Tensor, bias_N: Tensor, k: int) -> Tensor:
-    """The router's selection, topk(s + bias, k), as expert indices [M, k] (spec 4)."""
-    return (scores_MN.float() + bias_N.float()).topk(k, dim=1).indices
 
 
 def expert_load(topk_idx: Tensor, n: int) -> Tensor:

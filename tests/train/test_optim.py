@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from openk3.optim import (Muon, MuonAdamW, assign_param_groups, build_optimizer, cosine_schedule,
-                          orthogonalize, qk_clip_mla_)
+from openk3.train.optim import (Muon, MuonAdamW, assign_param_groups, build_optimizer, cosine_schedule, orthogonalize,
+                                qk_clip_mla_)
 from tests.helpers import rel_norm_err
 
 

@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from openk3 import balance, cli
+from openk3 import cli
 from openk3.config import K3Config, tiny
-from openk3.data import load_corpus, split_train_val, tokenize_corpus
 from openk3.model import GatedMLA, K3ForCausalLM
-from openk3.tokenizer import Tokenizer
-from openk3.train import (METRIC_KEYS, MLAMaxLogits, RouterBalancer, RowStreams, TrainArgs, TrainResult, check_args,
-                          evaluate, generate, load_for_inference, parse_seq_len_schedule, resolve_train_args,
-                          seq_len_at, train)
+from openk3.model.checkpoint import load_for_inference
+from openk3.text.tokenizer import Tokenizer
+from openk3.train import balance
+from openk3.train.data import load_corpus, split_train_val, tokenize_corpus
+from openk3.train.trainer import (METRIC_KEYS, MLAMaxLogits, RouterBalancer, RowStreams, TrainArgs, TrainResult,
+                                  check_args, evaluate, generate, parse_seq_len_schedule, resolve_train_args,
+                                  seq_len_at, train)
 
 STDLIB_FILES = ["bisect.py", "colorsys.py", "keyword.py", "this.py", "fnmatch.py", "glob.py"]
 

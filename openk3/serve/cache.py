@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from openk3.config import K3Config
-from openk3.model import K3Cache, KDAState
+from openk3.model.state import K3Cache, KDAState
 from openk3.ops.kda import select_kda_backend
 
 
@@ -39,8 +39,7 @@ from openk3.ops.kda import select_kda_backend
 
 def new_kda_states(config: K3Config, batch: int, device, dtype: torch.dtype) -> list[KDAState]:
     """Zero KDA states, one per KDA layer in layer order: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K]."""
-    return [KDAState.zeros(config, batch, device, dtype) for i in range(config.num_hidden_layers)
-            if config.is_kda_layer(i)]
+    return [KDAState.zeros(config, batch, device, dtype) for kind in config.layer_types if kind == "kda"]
 
 
 def cat_kda_states(a: list[KDAState], b: list[KDAState]) -> list[KDAState]:
@@ -97,9 +96,8 @@ class PagePool:
     waits for memory: admission control happens once, when a request is admitted."""
 
     def __init__(self, config: K3Config, num_pages: int, page_size: int, device, dtype: torch.dtype):
-        n = config.num_hidden_layers
-        self.mla_layers = [i for i in range(n) if not config.is_kda_layer(i)]
-        self.kda_layers = [i for i in range(n) if config.is_kda_layer(i)]
+        self.mla_layers = [i for i, kind in enumerate(config.layer_types) if kind == "mla"]
+        self.kda_layers = [i for i, kind in enumerate(config.layer_types) if kind == "kda"]
         if not self.mla_layers:
             raise ValueError("the engine's page pool is sized by MLA pages; this config has no MLA layer "
                              f"(full_attn_layers={config.linear_attn_config.full_attn_layers})")
@@ -279,8 +277,8 @@ def paged_cache(pool: PagePool, kda: list[KDAState], seqs: list[PagedSeq], T: in
         s.grow(pool, s.length + T)
     layout = PagedLayout.build(seqs, T, pool.page_size, pool.device)
     layers, kda_it, mla_index = [], iter(kda), 0
-    for i in range(pool.config.num_hidden_layers):
-        if pool.config.is_kda_layer(i):
+    for kind in pool.config.layer_types:
+        if kind == "kda":
             layers.append(next(kda_it))
         else:
             layers.append(PagedMLA(pool, mla_index, layout))
@@ -592,7 +590,7 @@ def cache_bytes_per_token(config: K3Config, dtype_bytes: int = 2) -> dict:
     -> {"mla_bytes_per_token", "kda_state_bytes" (fixed per sequence: fp32 state + conv tail), "all_mla_bytes_per_
     token", "all_mha_bytes_per_token"}."""
     n = config.num_hidden_layers
-    n_kda = sum(config.is_kda_layer(i) for i in range(n))
+    n_kda = config.layer_types.count("kda")
     lac = config.linear_attn_config
     H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
     latent = config.kv_lora_rank + config.qk_rope_head_dim

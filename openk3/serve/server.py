@@ -53,10 +53,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk3.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
-                           chat_stop_ids, encode_message)
+from openk3.model.checkpoint import load_for_inference
+from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
+                                 chat_stop_ids, encode_message)
 
-log = logging.getLogger("openk3.server")
+log = logging.getLogger("openk3.serve.server")
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (also capped by the room left in the context)
 
@@ -731,8 +732,8 @@ class Server:
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `serve` on an argparse sub-parser set (for openk3/cli.py)."""
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine")
+    """Register `serve` on an argparse sub-parser set (its one-line help is in openk3/cli.py)."""
+    p = sub.add_parser("serve")
     p.add_argument("--model", required=True, help="model directory or run directory (its latest checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
@@ -749,8 +750,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from openk3.train import load_for_inference
-
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
     model, tokenizer, _ = load_for_inference(args.model, args.device)

@@ -1,0 +1,89 @@
+"""Decode caches, passed explicitly to `K3ForCausalLM.forward` (STYLE rule 5): the KDA recurrent state and conv
+tail, the MLA latent cache, and `K3Cache`, one of them per layer for a batch of equal-length sequences.
+
+The engine's paged, ragged cache (openk3/serve/cache.py) builds on the same per-layer pieces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from openk3.config import K3Config
+
+
+@dataclass
+class KDAState:
+    """Per-layer KDA decode state: the recurrent state [B, H, K, V] fp32 and the conv tail
+    [B, W-1, 3*H*K] (the last W-1 projected q|k|v inputs, before the conv).
+
+    With `keep_inputs` set, each forward also leaves its per-token inputs in `inputs`: "qkv" (the raw projections
+    [B, T, 3*H*K] that feed the conv tail), "k" [B, T, H, K] and "v" [B, T, H, V] (after conv and SiLU), "g"
+    [B, T, H, K] and "beta" [B, T, H] (fp32). Speculative decoding rolls the state back by recomputing an accepted
+    prefix from them instead of copying the state per draft token (openk3/serve/cache.py `rollback_kda`)."""
+
+    recurrent: Tensor
+    conv: Tensor
+    keep_inputs: bool = False
+    inputs: dict[str, Tensor] | None = None
+
+    @classmethod
+    def zeros(cls, config: K3Config, batch: int, device=None, dtype=torch.float32) -> "KDAState":
+        """The state before any token: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K] in `dtype`."""
+        lac = config.linear_attn_config
+        H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+        return cls(recurrent=torch.zeros(batch, H, K, K, device=device),
+                   conv=torch.zeros(batch, W - 1, 3 * H * K, device=device, dtype=dtype))
+
+
+@dataclass
+class MLAState:
+    """Per-layer MLA latent cache: [B, max_len, kv_lora + rope] ([c | k_pe], normed c), filled up to `length`.
+
+    `GatedMLA` uses a cache only through `append`, so the engine's paged cache for ragged batches
+    (openk3/serve/cache.py `PagedMLA`) can stand in for it."""
+
+    latent: Tensor
+    length: int = 0
+
+    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
+        """Write T new latents after the cached ones. Returns every latent the new queries attend to [B, S, C]
+        (S = the length after the write) and the mask [1, 1, T, S] (True = may attend): query t sits at position
+        length + t and sees keys 0..length + t."""
+        T = lat_BTC.shape[1]
+        P = self.length
+        if P + T > self.latent.shape[1]:
+            raise ValueError(f"MLA cache full: {P} + {T} tokens > max_len {self.latent.shape[1]}")
+        self.latent[:, P:P + T] = lat_BTC.to(self.latent.dtype)
+        self.length = P + T
+        device = lat_BTC.device
+        mask = torch.arange(P + T, device=device)[None, :] <= P + torch.arange(T, device=device)[:, None]
+        return self.latent[:, :P + T], mask[None, None]
+
+
+@dataclass
+class K3Cache:
+    """Decode caches for a batch of equal-length sequences, one entry per layer.
+
+    The engine's paged, ragged cache builds on the same per-layer pieces."""
+
+    layers: list = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, config: K3Config, batch: int, max_len: int, device=None, dtype=torch.float32) -> "K3Cache":
+        layers = []
+        for kind in config.layer_types:
+            if kind == "kda":
+                layers.append(KDAState.zeros(config, batch, device, dtype))
+            else:
+                width = config.kv_lora_rank + config.qk_rope_head_dim
+                layers.append(MLAState(latent=torch.zeros(batch, max_len, width, device=device, dtype=dtype)))
+        return cls(layers)
+
+    @property
+    def length(self) -> int:
+        for s in self.layers:
+            if isinstance(s, MLAState):
+                return s.length
+        raise ValueError("cache has no MLA layer to read the length from")
