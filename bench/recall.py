@@ -321,19 +321,25 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["task"], r["seq"]) for r in runs})
+    def panel(r):
+        return r["task"], r["seq"], r.get("layout") or "", r.get("lr", 0)
+
+    panels = sorted({panel(r) for r in runs})
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, (task, seq) in zip(axes.flat, panels):
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
         for r in runs:
-            if (r["task"], r["seq"]) == (task, seq):
-                ax.plot([c["step"] for c in r["curve"]], [100 * c["accuracy"] for c in r["curve"]], label=r["model"])
-        ax.set_title(f"{task}, length {seq}")
+            if panel(r) == key:
+                label = r["model"] + ("" if r.get("variant", "default") == "default" else f" ({r['variant']})")
+                label += f" [{r['backend']}]" if r["model"].startswith("kda") else ""
+                ax.plot([c["step"] for c in r["curve"]], [100 * c["accuracy"] for c in r["curve"]], label=label)
+        task, seq, layout, lr = key
+        ax.set_title(f"{task} {layout}, length {seq}, lr {lr:g}", fontsize=9)
         ax.set_xlabel("step")
-        ax.set_ylabel("accuracy (%)")
+        ax.set_ylabel("held-out accuracy (%)")
         ax.set_ylim(-2, 102)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
