@@ -1,4 +1,4 @@
-"""The `openk3` command: info, init, train, eval, generate, chat, serve.
+"""The `openk3` command: info, init, train, eval, generate, chat, serve, lm-eval.
 
 A command imports only what it needs: `openk3 info` never loads the trainer, `openk3 train` never loads FastAPI.
 `COMMANDS` names the module that defines each command and its line in `openk3 --help`. Only the module of the
@@ -21,6 +21,8 @@ COMMANDS = {
     "generate": ("openk3.serve.engine", "continue a prompt with the inference engine"),
     "chat": ("openk3.serve.engine", "multi-turn chat in the terminal (shows cached prompt tokens per turn)"),
     "serve": ("openk3.serve.server", "an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine"),
+    "lm-eval": ("openk3.serve.harness", "lm-evaluation-harness on a checkpoint (lm_eval's own arguments; "
+                                        "needs openk3[eval])"),
 }
 
 
@@ -99,7 +101,11 @@ def main(argv: list[str] | None = None) -> None:
             this = sys.modules[__name__]
             (this if module == "openk3.cli" else importlib.import_module(module)).register_commands(sub)
             registered = True
-    args = parser.parse_args(argv)
+    # A command that hands its arguments to another program (lm-eval) sets `passthrough`; every other one is strict.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError) as e:
