@@ -467,12 +467,23 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
 
 # ------------------------------------------------------------------------------------ random init
 
+def config_for_tokenizer(config: K3Config, tokenizer: Tokenizer) -> K3Config:
+    """`config` with the vocabulary size and bos/eos/pad ids of `tokenizer` (the model's embedding must hold
+    exactly the tokenizer's ids)."""
+    return config.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+
+
 def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: torch.dtype = torch.float32,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Randomly initialise a model (`K3ForCausalLM.reset_parameters(seed)`) and save it to `out_dir`.
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: Tokenizer | None = None) -> K3Config:
+    """Randomly initialise a model (`K3ForCausalLM.reset_parameters(seed)`) and save it to `out_dir`; returns its
+    config. With `tokenizer`, the config takes the tokenizer's vocabulary and token ids (`config_for_tokenizer`)
+    and the tokenizer is saved beside the weights, so the checkpoint can generate.
 
     The whole model is built in memory (in `dtype`, the fp32-stored tensors in fp32, as `load_pretrained` gives),
     so configs above MAX_INIT_PARAMS parameters are refused."""
+    if tokenizer is not None:
+        config = config_for_tokenizer(config, tokenizer)
     n = count_params(config)["total_params"]
     if n > MAX_INIT_PARAMS:
         raise ValueError(f"init_checkpoint builds the whole model in memory; this config has {n:.4g} parameters, "
@@ -483,6 +494,9 @@ def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: tor
     model.to_empty(device="cpu")
     model.reset_parameters(seed)
     save_pretrained(model, out_dir, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None:
+        tokenizer.save(out_dir)
+    return config
 
 
 # ----------------------------------------------------------------------------- run directories
@@ -509,6 +523,11 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCaus
     """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
     (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
     model_dir = find_checkpoint(path)
+    try:
+        tokenizer = Tokenizer.load(model_dir)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}. Copy the model's tokenizer into {model_dir}, or write a new checkpoint that "
+                                f"has one with `openk3 init --tokenizer PATH|bpe`") from None
     model = load_pretrained(model_dir, device=device)
     model.set_qat(model.config.mxfp4_experts)
-    return model, Tokenizer.load(model_dir), model_dir
+    return model, tokenizer, model_dir

@@ -46,7 +46,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from openk3.config import PRESETS, K3Config, get_config
-from openk3.model.checkpoint import ARGS_FILE, CHECKPOINTS, LATEST, load_for_inference, save_pretrained
+from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, LATEST, config_for_tokenizer, load_for_inference,
+                                     save_pretrained)
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
 from openk3.text.tokenizer import Tokenizer, get_or_train_tokenizer
@@ -379,9 +380,7 @@ def validation_corpus(model_dir: Path, tokenizer: Tokenizer, data: str | None) -
 
 def resolve_model_config(args: TrainArgs, tokenizer: Tokenizer) -> K3Config:
     """The preset or file config with the trained tokenizer's vocabulary size and bos/eos/pad ids."""
-    config = get_config(args.config)
-    return config.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
-                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    return config_for_tokenizer(get_config(args.config), tokenizer)
 
 
 def autocast(args_dtype: str, device: torch.device):
