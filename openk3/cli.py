@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input: a config, a flag, a missing or unreadable file (CheckpointError)
         print(f"openk3 {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
 

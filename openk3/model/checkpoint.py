@@ -64,6 +64,20 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 ARGS_FILE = "train_args.json"
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, not safetensors, garbage); the message names the file.
+    A ValueError, so callers that handle bad input (the CLI) handle it too."""
+
+
+def _open_shard(file: Path):
+    """safe_open(file), with safetensors' error (e.g. "incomplete metadata", "header too large") naming the file."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError) here
+        raise CheckpointError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); "
+                              f"it may be truncated or in another format") from None
+
+
 # ---------------------------------------------------------------------------------- the name table
 
 # THE table of outside names. Model state_dict name (full match) -> outside name, and how it is stored (see the
@@ -308,8 +322,8 @@ def read_index(path: str | Path) -> dict[str, TensorInfo]:
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text()).get("weight_map")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{index_file} is not a safetensors index: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index_file} is not a safetensors index: {e}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_file} has no weight_map object (tensor name -> shard file)")
         files = list(dict.fromkeys(weight_map.values()))
@@ -321,7 +335,7 @@ def read_index(path: str | Path) -> dict[str, TensorInfo]:
     for file in files:
         if not (path / file).is_file():
             raise FileNotFoundError(f"{index_file} names shard {file}, which is not in {path}")
-        with safe_open(path / file, framework="pt") as f:
+        with _open_shard(path / file) as f:
             for name in f.keys():
                 if name in infos:
                     raise ValueError(f"tensor {name} is stored twice, in {infos[name].file} and {file}")
@@ -342,7 +356,7 @@ def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, Tensor]]:
     path = Path(path)
     infos = read_index(path)
     for file in dict.fromkeys(i.file for i in infos.values()):
-        with safe_open(path / file, framework="pt") as f:
+        with _open_shard(path / file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -448,7 +462,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
         def read(name: str) -> Tensor:
             file = infos[name].file
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(path / file, framework="pt"))
+                handles[file] = stack.enter_context(_open_shard(path / file))
             return handles[file].get_tensor(name)
 
         for entry in sorted(entries, key=lambda e: shard_order[infos[e.stored[0].name].file]):

@@ -519,3 +519,46 @@ def test_a_log_too_short(tmp_path):
     write_release_style(tmp_path / "ck", release_like_config(), a_log_shape=(2, 2))
     with pytest.raises(ValueError, match=r"self_attn\.A_log \[2, 2\]"):
         load_pretrained(tmp_path / "ck")
+
+
+# ------------------------------------------------------------------------------------------ unreadable files
+
+def first_shard(path):
+    return path / sorted(set(json.loads((path / checkpoint.INDEX_NAME).read_text())["weight_map"].values()))[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_unreadable_shard_names_the_file(saved_tiny, damage):
+    shard = first_shard(saved_tiny)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        torch.save({"w": torch.zeros(3)}, shard)
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(str(shard)) + ".*not a readable safetensors"):
+        load_pretrained(saved_tiny)
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(str(shard))):
+        list(iter_checkpoint_tensors(saved_tiny))
+
+
+def test_garbage_tokenizer_names_the_file(saved_tiny, capsys):
+    from openk3.cli import main
+
+    (saved_tiny / "tokenizer.json").write_text("{garbage")
+    with pytest.raises(ValueError, match=re.escape(str(saved_tiny / "tokenizer.json"))):
+        checkpoint.load_for_inference(saved_tiny)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(saved_tiny), "--prompt", "hi", "--max-tokens", "3"])
+    assert e.value.code == 2 and str(saved_tiny / "tokenizer.json") in capsys.readouterr().err
+
+
+def test_cli_reports_an_unreadable_shard(saved_tiny, capsys):
+    from openk3.cli import main
+
+    from openk3.text.tokenizer import train_bpe
+
+    train_bpe(["def f(x): return x"] * 20, 300).save(saved_tiny)
+    shard = first_shard(saved_tiny)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(saved_tiny), "--prompt", "hi", "--max-tokens", "3"])
+    assert e.value.code == 2 and str(shard) in capsys.readouterr().err
