@@ -615,6 +615,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                          f"choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run directory: {run_dir}")
+    if not resume:
+        # NOTE: a run killed before its first checkpoint leaves its rows; this fresh run logs those steps again
+        (run_dir / METRICS_FILE).unlink(missing_ok=True)
 
     init_dir = find_checkpoint(args.init_from) if args.init_from is not None and not resume else None
     if init_dir is not None and args.tokenizer is None and _has_tokenizer(init_dir):

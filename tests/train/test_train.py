@@ -387,3 +387,13 @@ def test_init_from_refuses_a_different_config(workdir, finished_run, tmp_path):
                        init_from=str(finished_run)))
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
         train(args_for(workdir, "from-bad2", steps=2, init_from=str(tmp_path / "nowhere")))
+
+
+def test_rerun_after_a_run_killed_before_its_first_checkpoint_logs_each_step_once(workdir):
+    run = workdir / "killed"
+    run.mkdir()
+    # what a run killed at step 3, before its first checkpoint, leaves behind
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3)))
+    train(args_for(workdir, "killed", steps=2))
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
