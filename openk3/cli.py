@@ -68,8 +68,19 @@ def cmd_init(args: argparse.Namespace) -> None:
     from openk3.config import get_config
     from openk3.model.checkpoint import init_checkpoint
 
-    init_checkpoint(get_config(args.config), args.out, seed=args.seed)
-    print(f"wrote a randomly initialised {args.config} checkpoint to {args.out}")
+    tokenizer = None
+    if args.tokenizer == "bpe":  # the byte-level BPE `openk3 train` trains, at the config's vocabulary size
+        from openk3.text.tokenizer import train_bpe
+        from openk3.train.data import load_corpus
+
+        tokenizer = train_bpe((d.text for d in load_corpus(args.data)), get_config(args.config).vocab_size)
+    elif args.tokenizer is not None:
+        from openk3.text.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_path(args.tokenizer)
+    config = init_checkpoint(get_config(args.config), args.out, seed=args.seed, tokenizer=tokenizer)
+    with_tok = "" if tokenizer is None else f" with its tokenizer (vocabulary {config.vocab_size})"
+    print(f"wrote a randomly initialised {args.config} checkpoint to {args.out}{with_tok}")
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
@@ -83,6 +94,10 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="save a tokenizer with the checkpoint (the vocabulary and token ids follow "
+                   "it): a tokenizer directory, tokenizer.json or tiktoken.model, or `bpe` to train the byte-level "
+                   "BPE of `openk3 train` on --data")
+    p.add_argument("--data", help="corpus for --tokenizer bpe (a file, .jsonl or directory) [the stdlib's .py files]")
     p.set_defaults(fn=cmd_init)
 
 
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     args.extra = extra
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input: a config, a flag, a missing or unreadable file (CheckpointError)
         print(f"openk3 {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
+import types
+import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ACTIVATIONS = ("situ", "silu")
+# Keys of a HF text config that are bookkeeping, not model settings: kept in `extra` without a warning.
+HF_BOOKKEEPING = ("model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "auto_map")
 
 @dataclass
 class LinearAttnConfig:
@@ -169,6 +175,12 @@ class K3Config:
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in known}
         text_extra = {k: v for k, v in d.items() if k not in known}
+        unknown = sorted(k for k in text_extra if k not in HF_BOOKKEEPING)
+        if unknown:
+            # NOTE: a warning, not an error: HF configs grow fields; but a misspelt field silently doing nothing
+            # must be visible. The keys are kept (extra["text_extra"]) and written back on save.
+            warnings.warn(f"config has field(s) openk3 does not know, kept but unused: {', '.join(unknown)}",
+                          UserWarning, stacklevel=2)
         if "linear_attn_config" not in kwargs:
             raise ValueError("config has no linear_attn_config: openk3 needs the KDA/MLA layer lists")
         lac = dict(kwargs["linear_attn_config"])
@@ -216,8 +228,23 @@ def _validate(c: K3Config) -> None:
     def bad(name: str, value: Any, why: str) -> ValueError:
         return ValueError(f"invalid config: {name}={value!r}: {why}")
 
+    # Types first, so the checks below compare numbers (a string eps would otherwise fail inside `<=`).
+    lac = c.linear_attn_config
+    if lac is None:
+        raise bad("linear_attn_config", None, "required (KDA shape and layer lists)")
+    for obj, prefix in ((c, ""), (lac, "linear_attn_config.")):
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            if f.name in ("extra", "linear_attn_config"):
+                continue
+            v = getattr(obj, f.name)
+            why = _type_error(v, hints[f.name])
+            if why:
+                raise bad(prefix + f.name, v, why)
+
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "kv_lora_rank", "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size"):
+                 "kv_lora_rank", "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size",
+                 "max_position_embeddings"):
         v = getattr(c, name)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise bad(name, v, "must be a positive integer")
@@ -239,9 +266,6 @@ def _validate(c: K3Config) -> None:
     if not c.mla_use_nope:
         raise bad("mla_use_nope", c.mla_use_nope, "only NoPE MLA is implemented (K3 and Kimi-Linear never rotate)")
 
-    lac = c.linear_attn_config
-    if lac is None:
-        raise bad("linear_attn_config", None, "required (KDA shape and layer lists)")
     for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
         v = getattr(lac, name)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -290,6 +314,28 @@ def _validate(c: K3Config) -> None:
         v = getattr(c, name)
         if v is not None and not 0 <= v < c.vocab_size:
             raise bad(name, v, f"outside the vocabulary [0, {c.vocab_size})")
+
+
+def _type_error(v: Any, hint: Any) -> str | None:
+    """Why `v` does not fit the field type `hint` (int, float, bool, str, dict, list[...], or X | None), or None.
+    A float field takes an int; floats must be finite; bool is not an int here."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    for t in options:
+        t = typing.get_origin(t) or t
+        if t is type(None) and v is None:
+            return None
+        if t is bool and isinstance(v, bool):
+            return None
+        if t is int and isinstance(v, int) and not isinstance(v, bool):
+            return None
+        if t is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return None if math.isfinite(v) else "must be a finite number"
+        if t in (str, dict, list) and isinstance(v, t):
+            return None
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object",
+             list: "a list", type(None): "null"}
+    return "must be " + " or ".join(names.get(typing.get_origin(t) or t, str(t)) for t in options)
 
 
 # ---------------------------------------------------------------- presets

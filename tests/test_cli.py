@@ -43,3 +43,52 @@ def test_bad_config_is_a_clear_error(capsys):
         main(["info", "--config", "no-such-thing"])
     assert e.value.code == 2
     assert "no-such-thing" in capsys.readouterr().err
+
+
+def small_corpus(tmp_path):
+    text = "def hello(world):\n    return world + 1\n" * 50 + "class Thing:\n    pass\n" * 30
+    (tmp_path / "corpus.py").write_text(text)
+    return tmp_path / "corpus.py"
+
+
+def generate_json(capsys, model_dir):
+    capsys.readouterr()
+    main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "3", "--json"])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_init_with_trained_bpe_then_generate(tmp_path, capsys):
+    from openk3.text.tokenizer import Tokenizer
+
+    out = tmp_path / "ckpt"
+    main(["init", "--config", "tiny", "--out", str(out), "--tokenizer", "bpe", "--data", str(small_corpus(tmp_path))])
+    tok = Tokenizer.load(out)
+    config = load_pretrained(out).config
+    assert (config.vocab_size, config.bos_token_id, config.eos_token_id) == (tok.vocab_size, tok.bos_id, tok.eos_id)
+    assert len(generate_json(capsys, out)["token_ids"]) <= 3
+
+
+def test_init_with_a_tokenizer_file_then_generate(tmp_path, capsys):
+    from openk3.text.tokenizer import Tokenizer, train_bpe
+
+    bpe = train_bpe([small_corpus(tmp_path).read_text()], 400)
+    bpe.save(tmp_path / "tok")
+    out = tmp_path / "ckpt"
+    main(["init", "--config", "tiny", "--out", str(out), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json")])
+    assert Tokenizer.load(out).fingerprint() == bpe.fingerprint()
+    assert load_pretrained(out).config.vocab_size == bpe.vocab_size
+    assert len(generate_json(capsys, out)["token_ids"]) <= 3
+
+
+def test_generate_without_tokenizer_says_how_to_fix(tmp_path, capsys):
+    main(["init", "--config", "tiny", "--out", str(tmp_path / "ckpt")])
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "hi", "--max-tokens", "3"])
+    err = capsys.readouterr().err
+    assert "openk3 init --tokenizer" in err and str(tmp_path / "ckpt") in err
+
+
+def test_init_with_a_missing_tokenizer_names_it(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["init", "--config", "tiny", "--out", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "nope")])
+    assert str(tmp_path / "nope") in capsys.readouterr().err

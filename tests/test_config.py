@@ -96,3 +96,41 @@ def test_unknown_preset_and_bad_json(tmp_path):
         K3Config.load(tmp_path)
     with pytest.raises(FileNotFoundError):
         K3Config.load(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"max_position_embeddings": -5}, "max_position_embeddings=-5"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings=0"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps='tiny'"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan"),
+    ({"routed_scaling_factor": "2"}, "routed_scaling_factor='2'"),
+    ({"moe_layer_freq": "1"}, "moe_layer_freq='1'"),
+    ({"q_lora_rank": 1.5}, "q_lora_rank=1.5"),
+    ({"eos_token_id": "1"}, "eos_token_id='1'"),
+    ({"mla_use_output_gate": "yes"}, "mla_use_output_gate='yes'"),
+    ({"linear_attn_config": {"gate_lower_bound": "low"}}, "linear_attn_config.gate_lower_bound='low'"),
+])
+def test_validation_names_the_bad_type_or_value(change, field):
+    with pytest.raises(ValueError, match="invalid config") as e:
+        tiny().replace(**change)
+    assert field in str(e.value)
+
+
+def test_unknown_keys_warn_and_are_kept(tmp_path):
+    d = release_dict()
+    d["text_config"]["rope_scaling_magic"] = {"factor": 2}
+    d["text_config"]["my_flag"] = True
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.warns(UserWarning, match=r"my_flag.*rope_scaling_magic"):
+        c = K3Config.load(tmp_path)
+    assert c.extra["text_extra"]["rope_scaling_magic"] == {"factor": 2}
+    assert c.to_hf_dict()["text_config"]["my_flag"] is True  # kept for the round trip
+
+
+def test_the_release_config_loads_without_warnings(tmp_path):
+    import warnings
+
+    (tmp_path / "config.json").write_text(json.dumps(release_dict()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K3Config.load(tmp_path)

@@ -13,7 +13,7 @@ Two layouts, picked by `is_k3_layout(config)`:
 
 How a model tensor is stored (the `how` of an `Entry`):
     same          as it is, in the model's dtype (bf16 for the release)
-    fp32          in fp32 whatever the model's dtype (spec: the conv weights, dt_bias, the router's bias)
+    fp32          in fp32 whatever the model's dtype (spec: o_norm, the conv weights, dt_bias, the router's bias)
     a_log         fp32; K3-style [max(H, head_dim)] padded with zeros (the release: 96 heads in [128]);
                   Kimi-Linear-style [1, 1, H, 1] (the shape of Kimi-Linear's `A_log` parameter)
     expert        one slice [e] of the model's stacked experts, as `...experts.{e}.{w1,w2,w3}.weight`
@@ -22,8 +22,8 @@ How a model tensor is stored (the `how` of an `Entry`):
                   (E8M0). Used when `config.mxfp4_experts`. Saving quantises (round to nearest even), so experts
                   come back as dequantize(quantize(w)); MXFP4-representable experts (QAT) come back exactly.
 
-Precision on load: the `fp32` and `a_log` tensors stay fp32 in the loaded model (the model computes with them in
-fp32 anyway: conv, decay, router selection); everything else gets the load dtype. Saving then loading a model gives
+Precision on load: the `fp32` and `a_log` tensors stay fp32 in the loaded model (`K3ForCausalLM.cast`; the model
+computes with them in fp32 anyway: o_norm, conv, decay, router selection); everything else gets the load dtype. Saving then loading a model gives
 bit-identical values and logits, in fp32 and in bf16.
 """
 
@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from openk3.config import K3Config
-from openk3.model.model import K3ForCausalLM, count_params
+from openk3.model.model import K3ForCausalLM, count_params, keeps_fp32
 from openk3.ops.mxfp import dequantize_mxfp4, pack_e2m1, quantize_mxfp4, unpack_e2m1
 from openk3.text.tokenizer import Tokenizer
 
@@ -64,10 +64,25 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 ARGS_FILE = "train_args.json"
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, not safetensors, garbage); the message names the file.
+    A ValueError, so callers that handle bad input (the CLI) handle it too."""
+
+
+def _open_shard(file: Path):
+    """safe_open(file), with safetensors' error (e.g. "incomplete metadata", "header too large") naming the file."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError) here
+        raise CheckpointError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); "
+                              f"it may be truncated or in another format") from None
+
+
 # ---------------------------------------------------------------------------------- the name table
 
 # THE table of outside names. Model state_dict name (full match) -> outside name, and how it is stored (see the
-# module docstring). The first matching row wins. K3-style checkpoints put `language_model.` in front of every name.
+# module docstring). The first matching row wins; a "same" tensor the model keeps in fp32 (model.FP32_TENSORS: o_norm,
+# the conv weights, dt_bias, the router bias) is stored "fp32". K3-style checkpoints put `language_model.` in front of every name.
 # `{e}` is the expert index of a stacked expert tensor.
 # NOTE: the model keeps the output AttnRes vectors on K3ForCausalLM, beside lm_head; the spec lists them with
 # embed_tokens and norm, which live under `model.`, so they are stored as `model.output_attn_res_*` [inferred].
@@ -75,9 +90,6 @@ NAME_TABLE: list[tuple[str, str, str]] = [
     # model name                                  outside name                              how
     (r"output_attn_res_(norm|proj)\.weight",      r"model.output_attn_res_\1.weight",       "same"),
     (r"(.*\.self_attn)\.A_log",                   r"\1.A_log",                              "a_log"),
-    (r"(.*\.[qkv]_conv1d\.weight)",               r"\1",                                    "fp32"),
-    (r"(.*\.self_attn\.dt_bias)",                 r"\1",                                    "fp32"),
-    (r"(.*\.gate\.e_score_correction_bias)",      r"\1",                                    "fp32"),
     (r"(.*\.experts)\.(w[123])",                  r"\1.{e}.\2",                             "expert"),
     (r"(.*)",                                     r"\1",                                    "same"),
 ]
@@ -123,7 +135,7 @@ def _outside_name(name: str) -> tuple[str, str]:
     for pattern, outside, how in NAME_TABLE:
         m = re.fullmatch(pattern, name)
         if m:
-            return m.expand(outside), how
+            return m.expand(outside), ("fp32" if how == "same" and keeps_fp32(name) else how)
     raise AssertionError("unreachable: the last NAME_TABLE row matches every name")
 
 
@@ -310,8 +322,8 @@ def read_index(path: str | Path) -> dict[str, TensorInfo]:
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text()).get("weight_map")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{index_file} is not a safetensors index: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index_file} is not a safetensors index: {e}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_file} has no weight_map object (tensor name -> shard file)")
         files = list(dict.fromkeys(weight_map.values()))
@@ -323,7 +335,7 @@ def read_index(path: str | Path) -> dict[str, TensorInfo]:
     for file in files:
         if not (path / file).is_file():
             raise FileNotFoundError(f"{index_file} names shard {file}, which is not in {path}")
-        with safe_open(path / file, framework="pt") as f:
+        with _open_shard(path / file) as f:
             for name in f.keys():
                 if name in infos:
                     raise ValueError(f"tensor {name} is stored twice, in {infos[name].file} and {file}")
@@ -344,7 +356,7 @@ def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, Tensor]]:
     path = Path(path)
     infos = read_index(path)
     for file in dict.fromkeys(i.file for i in infos.values()):
-        with safe_open(path / file, framework="pt") as f:
+        with _open_shard(path / file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -361,14 +373,28 @@ def _read_config(path: Path) -> K3Config:
         raise ValueError(f"invalid checkpoint config {file}: {e}") from None
 
 
-def _check_match(path: Path, entries: list[Entry], infos: dict[str, TensorInfo], prefix: str) -> None:
-    """One error naming every missing, unexpected, mis-shaped or mis-typed tensor (a few names each, and counts)."""
+def _shape_ok(stored: tuple[int, ...], expected: tuple[int, ...], heads: int | None) -> bool:
+    """Shapes must match exactly, except A_log (heads = its H; spec section 6): any 1-D length >= H (the release:
+    96 heads in [128], zero padded; `_load_entry` checks the padding) or Kimi-Linear's [1, 1, H, 1], in either
+    layout."""
+    if heads is None:
+        return stored == expected
+    return (len(stored) == 1 and stored[0] >= heads) or stored == (1, 1, heads, 1)
+
+
+def _check_match(path: Path, entries: list[Entry], infos: dict[str, TensorInfo], prefix: str,
+                 a_log_heads: dict[str, int]) -> None:
+    """One error naming every missing, unexpected, mis-shaped or mis-typed tensor (a few names each, and counts).
+    a_log_heads: the stored name of every A_log -> its number of heads."""
     expected = {s.name: s for e in entries for s in e.stored}
     missing = [n for n in expected if n not in infos]
     # NOTE: the release also holds the vision tower and projector (outside `language_model.`); openk3 is text-only.
     unexpected = [n for n in infos if n not in expected and n.startswith(prefix)]
-    bad_shape = [f"{n} {list(infos[n].shape)} (expected {list(s.shape)})"
-                 for n, s in expected.items() if n in infos and infos[n].shape != s.shape]
+    bad_shape = [f"{n} {list(infos[n].shape)} (expected "
+                 + (f"[L >= {a_log_heads[n]}] or [1, 1, {a_log_heads[n]}, 1])" if n in a_log_heads
+                    else f"{list(s.shape)})")
+                 for n, s in expected.items() if n in infos
+                 and not _shape_ok(infos[n].shape, s.shape, a_log_heads.get(n))]
     bad_dtype = [f"{n} {infos[n].dtype} (expected {'U8' if s.dtype == torch.uint8 else 'a float type'})"
                  for n, s in expected.items() if n in infos
                  and (infos[n].dtype != "U8" if s.dtype == torch.uint8 else infos[n].dtype not in _FLOAT_DTYPES)]
@@ -382,19 +408,6 @@ def _check_match(path: Path, entries: list[Entry], infos: dict[str, TensorInfo],
     skipped = len(infos) - len(expected)
     if skipped:
         log.info("%s: skipped %d tensors outside %r (not part of the text model)", path, skipped, prefix)
-
-
-def _storage_dtypes(model: K3ForCausalLM, entries: list[Entry], dtype: torch.dtype) -> None:
-    """Give every model tensor its dtype: fp32 for the fp32-stored ones (conv, dt_bias, A_log, router bias),
-    `dtype` for the rest. Meant for a model on the meta device, where this costs nothing."""
-    model.to(dtype)
-    params = dict(model.named_parameters())
-    for name in dict.fromkeys(e.model_name for e in entries if e.how in ("fp32", "a_log")):
-        if name in params:
-            params[name].data = params[name].data.float()
-        else:  # the router bias is a buffer
-            module_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(module_name), leaf, model.get_buffer(name).float())
 
 
 def _load_entry(entry: Entry, stored: list[Tensor], target: Tensor) -> None:
@@ -421,7 +434,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     """Build a K3ForCausalLM from a checkpoint directory.
 
     dtype: the dtype of the model's tensors (default: the checkpoint's, read from its embedding); the fp32-stored
-    ones (conv weights, dt_bias, A_log, router bias) stay fp32. The model is built on the meta device, checked
+    ones (o_norm, conv weights, dt_bias, A_log, router bias) stay fp32, bit-equal to the file's values. The model is built on the meta device, checked
     against the checkpoint's headers (one error names every missing, unexpected, mis-shaped tensor), allocated on
     `device`, then filled tensor by tensor, shard by shard (MXFP4 experts are dequantised expert by expert).
     """
@@ -430,12 +443,14 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     infos = read_index(path)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
-    entries = _entries(config, {name: tuple(t.shape) for name, t in model.state_dict().items()})
-    _check_match(path, entries, infos, K3_PREFIX if is_k3_layout(config) else "")
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    entries = _entries(config, shapes)
+    a_log_heads = {e.stored[0].name: shapes[e.model_name][0] for e in entries if e.how == "a_log"}
+    _check_match(path, entries, infos, K3_PREFIX if is_k3_layout(config) else "", a_log_heads)
     if dtype is None:
         embed = next(e for e in entries if e.model_name == "model.embed_tokens.weight").stored[0].name
         dtype = _FLOAT_DTYPES[infos[embed].dtype]
-    _storage_dtypes(model, entries, dtype)
+    model.cast(dtype)  # the fp32-stored tensors stay fp32
     model.to_empty(device=device)
 
     targets = model.state_dict()  # share storage with the parameters and buffers
@@ -447,7 +462,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
         def read(name: str) -> Tensor:
             file = infos[name].file
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(path / file, framework="pt"))
+                handles[file] = stack.enter_context(_open_shard(path / file))
             return handles[file].get_tensor(name)
 
         for entry in sorted(entries, key=lambda e: shard_order[infos[e.stored[0].name].file]):
@@ -466,22 +481,36 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
 
 # ------------------------------------------------------------------------------------ random init
 
+def config_for_tokenizer(config: K3Config, tokenizer: Tokenizer) -> K3Config:
+    """`config` with the vocabulary size and bos/eos/pad ids of `tokenizer` (the model's embedding must hold
+    exactly the tokenizer's ids)."""
+    return config.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+
+
 def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: torch.dtype = torch.float32,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Randomly initialise a model (`K3ForCausalLM.reset_parameters(seed)`) and save it to `out_dir`.
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: Tokenizer | None = None) -> K3Config:
+    """Randomly initialise a model (`K3ForCausalLM.reset_parameters(seed)`) and save it to `out_dir`; returns its
+    config. With `tokenizer`, the config takes the tokenizer's vocabulary and token ids (`config_for_tokenizer`)
+    and the tokenizer is saved beside the weights, so the checkpoint can generate.
 
     The whole model is built in memory (in `dtype`, the fp32-stored tensors in fp32, as `load_pretrained` gives),
     so configs above MAX_INIT_PARAMS parameters are refused."""
+    if tokenizer is not None:
+        config = config_for_tokenizer(config, tokenizer)
     n = count_params(config)["total_params"]
     if n > MAX_INIT_PARAMS:
         raise ValueError(f"init_checkpoint builds the whole model in memory; this config has {n:.4g} parameters, "
                          f"above the limit of {MAX_INIT_PARAMS:.4g}")
     with torch.device("meta"):
         model = K3ForCausalLM(config)
-    _storage_dtypes(model, _entries(config, {n: tuple(t.shape) for n, t in model.state_dict().items()}), dtype)
+    model.cast(dtype)
     model.to_empty(device="cpu")
     model.reset_parameters(seed)
     save_pretrained(model, out_dir, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None:
+        tokenizer.save(out_dir)
+    return config
 
 
 # ----------------------------------------------------------------------------- run directories
@@ -508,6 +537,11 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCaus
     """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
     (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
     model_dir = find_checkpoint(path)
+    try:
+        tokenizer = Tokenizer.load(model_dir)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}. Copy the model's tokenizer into {model_dir}, or write a new checkpoint that "
+                                f"has one with `openk3 init --tokenizer PATH|bpe`") from None
     model = load_pretrained(model_dir, device=device)
     model.set_qat(model.config.mxfp4_experts)
-    return model, Tokenizer.load(model_dir), model_dir
+    return model, tokenizer, model_dir

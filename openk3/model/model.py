@@ -32,6 +32,18 @@ from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
 
 
+# Tensors the release stores in fp32 and that stay fp32 whatever dtype the rest of the model has (K3_SPEC section 6):
+# the model computes with them in fp32 (.float() where they are used), and rounding o_norm alone to bf16 moves K3's
+# logits by ~3e-3. `K3ForCausalLM.cast` keeps them; checkpoint.py stores them in fp32. Suffixes of state_dict names.
+FP32_TENSORS = ("self_attn.o_norm.weight", "conv1d.weight", "self_attn.dt_bias", "self_attn.A_log",
+                "gate.e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether the model tensor `name` (a state_dict name) stays fp32 in a model of any dtype."""
+    return name.endswith(FP32_TENSORS)
+
+
 def recomputed(fn, *args):
     """fn(*args), keeping only the inputs for backward and running fn again there. For the cheap fp32 elementwise
     chains (norms, AttnRes mixes, SiTU, the short conv) whose saved intermediates would cost far more memory than
@@ -520,6 +532,17 @@ class K3ForCausalLM(nn.Module):
                     attn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             if hasattr(layer, "block_sparse_moe"):
                 layer.block_sparse_moe.gate.e_score_correction_bias.zero_()
+
+    def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
+        """Cast every parameter and buffer to `dtype` except the FP32_TENSORS, which stay (or become) fp32. Use this
+        instead of `.to(dtype)`, which would round them. Works on the meta device too. Returns self."""
+        for module_name, module in self.named_modules():
+            for tensors in (module._parameters, module._buffers):
+                for leaf, t in tensors.items():
+                    if t is not None:
+                        name = f"{module_name}.{leaf}" if module_name else leaf
+                        t.data = t.data.to(torch.float32 if keeps_fp32(name) else dtype)
+        return self
 
     # ---- run
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,

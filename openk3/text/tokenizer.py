@@ -165,7 +165,11 @@ class Tokenizer(ABC):
         """Load whichever kind `directory` holds: tokenizer.json (BPE) or tiktoken.model."""
         directory = Path(directory)
         if (directory / BPE_FILE).is_file():
-            return BPETokenizer(HFTokenizer.from_file(str(directory / BPE_FILE)))
+            try:
+                hf = HFTokenizer.from_file(str(directory / BPE_FILE))
+            except Exception as e:  # HF tokenizers raises a bare Exception for a file it cannot parse
+                raise ValueError(f"{directory / BPE_FILE} is not a readable tokenizer.json: {e}") from None
+            return BPETokenizer(hf)
         if (directory / TIKTOKEN_FILE).is_file():
             config_path = directory / TIKTOKEN_CONFIG_FILE
             special_names = _special_names_from_config(config_path) if config_path.is_file() else None

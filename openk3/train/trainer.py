@@ -46,10 +46,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from openk3.config import PRESETS, K3Config, get_config
-from openk3.model.checkpoint import ARGS_FILE, CHECKPOINTS, LATEST, load_for_inference, save_pretrained
+from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST, config_for_tokenizer,
+                                     find_checkpoint, load_for_inference, load_pretrained, save_pretrained)
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
-from openk3.text.tokenizer import Tokenizer, get_or_train_tokenizer
+from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
@@ -69,6 +70,9 @@ class TrainArgs:
     data: str | None = None  # corpus path (file, JSONL, directory); None = the stdlib's .py files
     vocab_size: int = 2048  # BPE vocabulary trained for the run; replaces the config's vocab_size
     tokenizer: str | None = None  # use this tokenizer (dir, tokenizer.json or tiktoken.model) instead of training one
+    # start from this checkpoint (or run directory)'s weights, config and tokenizer (if it has one) instead of a
+    # random init; `config` must then match the checkpoint's (the command line's --config defaults to it)
+    init_from: str | None = None
     out: str | None = None  # run directory; None = runs/<config>-<time>
     steps: int = 400
     # 32 x 64 tokens a step: measured on the default run (400 steps, same tokens), validation loss at 256-token
@@ -113,7 +117,7 @@ class TrainArgs:
 
 
 # Settings that define the math of a run: `--resume` refuses to change them.
-FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "batch_size", "seq_len", "seq_len_schedule", "grad_accum", "lr",
+FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "init_from", "batch_size", "seq_len", "seq_len_schedule", "grad_accum", "lr",
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
@@ -219,6 +223,8 @@ def resolve_train_args(cli: dict, resume: bool) -> TrainArgs:
     change; PER_INVOCATION settings always come from this command line."""
     given = {k: v for k, v in cli.items() if v is not None}
     if not resume:
+        if "init_from" in given and "config" not in given:
+            given["config"] = str(find_checkpoint(given["init_from"]) / CONFIG_NAME)
         return TrainArgs(**given)
     if "out" not in given:
         raise ValueError("--resume needs --out DIR, the run directory to continue")
@@ -379,9 +385,50 @@ def validation_corpus(model_dir: Path, tokenizer: Tokenizer, data: str | None) -
 
 def resolve_model_config(args: TrainArgs, tokenizer: Tokenizer) -> K3Config:
     """The preset or file config with the trained tokenizer's vocabulary size and bos/eos/pad ids."""
-    config = get_config(args.config)
-    return config.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
-                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    return config_for_tokenizer(get_config(args.config), tokenizer)
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return (directory / BPE_FILE).is_file() or (directory / TIKTOKEN_FILE).is_file()
+
+
+def init_config(args: TrainArgs, init_dir: Path, tokenizer: Tokenizer) -> K3Config:
+    """The config of a run started from the checkpoint `init_dir`: the checkpoint's. `args.config` must be the same
+    config (an error names the first field that differs), and the tokenizer's ids must fit its vocabulary."""
+    config = K3Config.load(init_dir)
+    fields = {f.name for f in dataclasses.fields(K3Config)} - {"extra"}  # not what a config.json carries besides
+
+    def model_fields(c: K3Config) -> dict:
+        return {k: v for k, v in c.to_dict().items() if k in fields}
+
+    diff = first_difference(model_fields(get_config(args.config)), model_fields(config))
+    if diff is not None:
+        name, given, stored = diff
+        raise ValueError(f"--config={args.config} differs from the config of --init-from={init_dir}: {name} is "
+                         f"{given!r} there and {stored!r} in the checkpoint (leave --config out to use the "
+                         f"checkpoint's)")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids, more than vocab_size={config.vocab_size} "
+                         f"of --init-from={init_dir}")
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    for name, tid in ids.items():
+        if getattr(config, name) != tid:
+            raise ValueError(f"the tokenizer's {name.removesuffix('_token_id')} id is {tid}, but {name}="
+                             f"{getattr(config, name)} in --init-from={init_dir}")
+    return config
+
+
+def first_difference(a: dict, b: dict, prefix: str = "") -> tuple[str, object, object] | None:
+    """(dotted field name, value in a, value in b) of the first field (in a's order, then b's) that differs."""
+    for k in list(a) + [k for k in b if k not in a]:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            sub = first_difference(va, vb, f"{prefix}{k}.")
+            if sub is not None:
+                return sub
+        elif va != vb:
+            return prefix + k, va, vb
+    return None
 
 
 def autocast(args_dtype: str, device: torch.device):
@@ -568,18 +615,31 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                          f"choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run directory: {run_dir}")
+    if not resume:
+        # NOTE: a run killed before its first checkpoint leaves its rows; this fresh run logs those steps again
+        (run_dir / METRICS_FILE).unlink(missing_ok=True)
 
+    init_dir = find_checkpoint(args.init_from) if args.init_from is not None and not resume else None
+    if init_dir is not None and args.tokenizer is None and _has_tokenizer(init_dir):
+        args = dataclasses.replace(args, tokenizer=str(init_dir))
     data = prepare_data(args, run_dir)
     if resume:
         config = K3Config.load(run_dir / "config.json")
+    elif init_dir is not None:
+        config = init_config(args, init_dir, data.tokenizer)
+        config.save(run_dir / "config.json")
     else:
         config = resolve_model_config(args, data.tokenizer)
         config.save(run_dir / "config.json")
     write_json(run_dir / ARGS_FILE, dataclasses.asdict(args))
 
     torch.manual_seed(args.seed)
-    model = K3ForCausalLM(config)
-    model.reset_parameters(seed=args.seed)
+    if init_dir is not None:  # parameters stay fp32 in training (--dtype bf16 is autocast)
+        model = load_pretrained(init_dir, dtype=torch.float32)
+        print(f"initialised from {init_dir}")
+    else:
+        model = K3ForCausalLM(config)
+        model.reset_parameters(seed=args.seed)
     model.to(device)
     qat = config.mxfp4_experts if args.qat is None else args.qat
     model.set_qat(qat)
@@ -752,6 +812,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="use this tokenizer (a directory, tokenizer.json or a release-style "
                                        "tiktoken.model) instead of training a BPE")
     p.add_argument("--out", help="run directory [runs/<config>-<time>]")
+    p.add_argument("--init-from", metavar="DIR", help="start from the weights of this checkpoint or run directory, "
+                   "with its config (--config defaults to it and must match it) and its tokenizer, if it has one")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--steps", type=int, help=f"optimizer steps [{d.steps}]")
     p.add_argument("--stop-at", type=int, help="stop after this step (checkpointed) as if interrupted")

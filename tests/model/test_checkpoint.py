@@ -16,7 +16,7 @@ from openk3.model.checkpoint import (init_checkpoint, iter_checkpoint_tensors, l
 from openk3.ops.mxfp import dequantize_mxfp4, fake_quant_mxfp4, quantize_mxfp4
 
 SMALL_SHARDS = 200_000  # bytes: the tiny model (~4 MB in fp32) splits into many shards
-FP32_STORED = ("conv1d.weight", "dt_bias", "A_log", "e_score_correction_bias")
+FP32_STORED = ("o_norm.weight", "conv1d.weight", "dt_bias", "A_log", "e_score_correction_bias")
 
 
 def kimi_linear_tiny():
@@ -100,7 +100,7 @@ def test_k3_names_dtypes_and_shapes(tmp_path):
         P + "0.self_attn.b_proj.weight": ("BF16", [4, D]),
         P + "0.self_attn.dt_bias": ("F32", [128]),
         P + "0.self_attn.A_log": ("F32", [32]),  # 4 heads padded to head_dim 32
-        P + "0.self_attn.o_norm.weight": ("BF16", [32]),
+        P + "0.self_attn.o_norm.weight": ("F32", [32]),
         P + "0.self_attn.g_proj.weight": ("BF16", [128, D]),
         P + "0.self_attn.o_proj.weight": ("BF16", [D, 128]),
         # MLA
@@ -151,7 +151,7 @@ def test_release_names_match_the_spec():
     assert stored[P + "0.self_attn.b_proj.weight"] == ((96, 7168), None)
     assert stored[P + "0.self_attn.dt_bias"] == ((12288,), torch.float32)
     assert stored[P + "0.self_attn.A_log"] == ((128,), torch.float32)
-    assert stored[P + "0.self_attn.o_norm.weight"] == ((128,), None)
+    assert stored[P + "0.self_attn.o_norm.weight"] == ((128,), torch.float32)
     assert stored[P + "0.mlp.gate_proj.weight"] == ((33792, 7168), None)
     assert stored[P + "0.self_attention_res_norm.weight"] == ((7168,), None)
     assert stored[P + "0.self_attention_res_proj.weight"] == ((1, 7168), None)
@@ -418,3 +418,147 @@ def test_init_checkpoint_refuses_large_configs(tmp_path):
     with pytest.raises(ValueError, match="4.912e\\+10 parameters"):
         init_checkpoint(kimi_linear_48b(), tmp_path / "big", seed=0)
     assert not (tmp_path / "big").exists()
+
+
+# ------------------------------------------------------------------ release-exact loading (hand-written files)
+
+RELEASE_FP32 = FP32_STORED
+
+
+def write_release_style(path, config, a_log_shape=None, a_log_pad=0.0) -> dict:
+    """Write `config` with random weights as the release does, by hand (not save_pretrained): `language_model.`
+    names, bf16 everywhere except the fp32 tensors of spec section 6 (stored with values bf16 cannot hold), experts
+    unstacked, A_log zero padded to [128] (or `a_log_shape`). Returns the tensors written."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, t in K3ForCausalLM(config).state_dict().items():
+        t = 1 + 0.2 * torch.randn(t.shape, generator=g) if name.endswith("norm.weight") else t.clone()
+        fp32 = name.endswith(RELEASE_FP32)
+        t = (t + 1e-4 * torch.randn(t.shape, generator=g)) if fp32 else t.bfloat16()
+        m = re.fullmatch(r"(.*\.experts)\.(w[123])", name)
+        if m:
+            for e in range(t.shape[0]):
+                tensors[f"language_model.{m[1]}.{e}.{m[2]}.weight"] = t[e].clone()
+            continue
+        if name.endswith("A_log"):
+            H = t.shape[0]
+            if a_log_shape is None:
+                padded = torch.full((128,), a_log_pad)
+                padded[:H] = t
+                t = padded
+            else:
+                t = t.reshape(a_log_shape)
+        if name.startswith("output_attn_res_"):
+            name = "model." + name
+        tensors["language_model." + name] = t.contiguous()
+    half = sorted(tensors)[: len(tensors) // 2]
+    shards = {"model-00001-of-00002.safetensors": {n: tensors[n] for n in half},
+              "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if n not in half}}
+    path.mkdir()
+    for file, part in shards.items():
+        save_file(part, path / file, metadata={"format": "pt"})
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    return tensors
+
+
+def release_like_config():
+    """tiny with 4 KDA heads of dim 16 (so A_log [128] pads 124 zeros) and plain bf16 experts."""
+    return tiny().replace(quantization_config=None, linear_attn_config={"head_dim": 16})
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_release_fp32_tensors_stay_fp32(tmp_path, dtype):
+    written = write_release_style(tmp_path / "ck", release_like_config())
+    model = load_pretrained(tmp_path / "ck", dtype=dtype)
+    state = model.state_dict()
+    n_fp32 = 0
+    for name, t in state.items():
+        if name.endswith(RELEASE_FP32):
+            n_fp32 += 1
+            assert t.dtype == torch.float32, name
+            stored = written["language_model." + name]
+            assert torch.equal(t, stored.reshape(-1)[: t.numel()].view(t.shape)), name
+        elif not re.search(r"experts\.w[123]$", name):
+            assert t.dtype == torch.bfloat16, name
+    assert n_fp32 > 0 and any(n.endswith("o_norm.weight") for n in state)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_cast_keeps_release_fp32_tensors():
+    model = make_model(tiny())
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    assert model.cast(torch.bfloat16) is model
+    for name, t in model.state_dict().items():
+        if name.endswith(RELEASE_FP32):
+            assert t.dtype == torch.float32 and torch.equal(t, before[name]), name
+        else:
+            assert t.dtype == torch.bfloat16, name
+
+
+@pytest.mark.parametrize("a_log_shape", [None, (1, 1, 4, 1)])
+def test_a_log_release_shapes(tmp_path, a_log_shape):
+    written = write_release_style(tmp_path / "ck", release_like_config(), a_log_shape=a_log_shape)
+    model = load_pretrained(tmp_path / "ck")
+    name = "model.layers.0.self_attn.A_log"
+    assert torch.equal(model.get_parameter(name), written["language_model." + name].reshape(-1)[:4])
+
+
+def test_a_log_nonzero_release_padding(tmp_path):
+    write_release_style(tmp_path / "ck", release_like_config(), a_log_pad=0.5)
+    with pytest.raises(ValueError, match=r"language_model\.model\.layers\.\d\.self_attn\.A_log.*padding"):
+        load_pretrained(tmp_path / "ck")
+
+
+def test_a_log_too_short(tmp_path):
+    write_release_style(tmp_path / "ck", release_like_config(), a_log_shape=(2, 2))
+    with pytest.raises(ValueError, match=r"self_attn\.A_log \[2, 2\]"):
+        load_pretrained(tmp_path / "ck")
+
+
+# ------------------------------------------------------------------------------------------ unreadable files
+
+def first_shard(path):
+    return path / sorted(set(json.loads((path / checkpoint.INDEX_NAME).read_text())["weight_map"].values()))[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_unreadable_shard_names_the_file(saved_tiny, damage):
+    shard = first_shard(saved_tiny)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        torch.save({"w": torch.zeros(3)}, shard)
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(str(shard)) + ".*not a readable safetensors"):
+        load_pretrained(saved_tiny)
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(str(shard))):
+        list(iter_checkpoint_tensors(saved_tiny))
+
+
+def test_garbage_tokenizer_names_the_file(saved_tiny, capsys):
+    from openk3.cli import main
+
+    (saved_tiny / "tokenizer.json").write_text("{garbage")
+    with pytest.raises(ValueError, match=re.escape(str(saved_tiny / "tokenizer.json"))):
+        checkpoint.load_for_inference(saved_tiny)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(saved_tiny), "--prompt", "hi", "--max-tokens", "3"])
+    assert e.value.code == 2 and str(saved_tiny / "tokenizer.json") in capsys.readouterr().err
+
+
+def test_cli_reports_an_unreadable_shard(saved_tiny, capsys):
+    from openk3.cli import main
+
+    from openk3.text.tokenizer import train_bpe
+
+    train_bpe(["def f(x): return x"] * 20, 300).save(saved_tiny)
+    shard = first_shard(saved_tiny)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(saved_tiny), "--prompt", "hi", "--max-tokens", "3"])
+    assert e.value.code == 2 and str(shard) in capsys.readouterr().err

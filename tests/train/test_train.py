@@ -6,6 +6,7 @@ on six small stdlib files, a 300-token BPE and 2 x 32-token batches, so each run
 
 import json
 import math
+import re
 import shutil
 import sysconfig
 from pathlib import Path
@@ -345,3 +346,54 @@ def test_train_with_a_release_style_tiktoken_file(workdir):
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (n, n + 2, n + 255)
     assert Tokenizer.load(result.run_dir / "tokenizer").encode("import") == [n - 1]
     assert all(math.isfinite(x) for x in result.losses)
+
+
+# ------------------------------------------------------------------------------------------- --init-from
+
+def test_init_from_starts_at_the_checkpoint_weights(workdir, finished_run):
+    from openk3.model.checkpoint import find_checkpoint, load_pretrained
+    from openk3.train.trainer import prepare_data
+
+    cli_args = {k: None for k in TrainArgs.__dataclass_fields__}
+    base = args_for(workdir, "from", steps=2, ckpt_every=2)
+    cli_args.update(data=base.data, vocab_size=None, steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=4,
+                    eval_tokens=256, ckpt_every=2, sample=False, progress=False, val_fraction=0.3, out=base.out,
+                    init_from=str(finished_run))
+    args = resolve_train_args(cli_args, resume=False)
+    result = train(args)
+    src = find_checkpoint(finished_run)
+    # the config and tokenizer come from the checkpoint
+    assert K3Config.load(result.run_dir / "config.json").to_dict() == K3Config.load(src).to_dict()
+    assert Tokenizer.load(result.run_dir / "tokenizer").fingerprint() == Tokenizer.load(src).fingerprint()
+    # the first step's loss is the loaded model's loss on the first batch
+    data = prepare_data(args, result.run_dir)
+    batch = next(RowStreams(data.train, 2, 32, seed=args.seed))
+    model = load_pretrained(src, dtype=torch.float32)
+    model.set_qat(model.config.mxfp4_experts)
+    with torch.no_grad():
+        expected = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
+                         loss_chunk=args.loss_chunk).loss.item()
+    first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_init_from_refuses_a_different_config(workdir, finished_run, tmp_path):
+    from openk3.model.checkpoint import find_checkpoint
+
+    other = K3Config.load(find_checkpoint(finished_run)).replace(rms_norm_eps=1e-6)
+    other.save(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"rms_norm_eps.*1e-06"):
+        train(args_for(workdir, "from-bad", steps=2, config=str(tmp_path / "config.json"),
+                       init_from=str(finished_run)))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
+        train(args_for(workdir, "from-bad2", steps=2, init_from=str(tmp_path / "nowhere")))
+
+
+def test_rerun_after_a_run_killed_before_its_first_checkpoint_logs_each_step_once(workdir):
+    run = workdir / "killed"
+    run.mkdir()
+    # what a run killed at step 3, before its first checkpoint, leaves behind
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3)))
+    train(args_for(workdir, "killed", steps=2))
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
