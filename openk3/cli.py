@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> None:
             registered = True
     # A command that hands its arguments to another program (lm-eval) sets `passthrough`; every other one is strict.
     args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "passthrough", False):
+    if getattr(args, "passthrough", False):
+        args.extra = extra
+    elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
     try:
         args.fn(args)
     except (ValueError, OSError) as e:  # bad input: a config, a flag, a missing or unreadable file (CheckpointError)
