@@ -543,26 +543,36 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         except ValueError as e:
             raise APIError(400, str(e), param, "invalid_prompt") from None
 
+    async def disconnected(request: HTTPRequest) -> None:
+        """Returns when the client has gone. NOTE: the body has been read, so the next ASGI message is the
+        disconnect; waiting on it costs nothing (polling `is_disconnected` between tokens would need a timeout)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     def usage(req: Request) -> dict:
         return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                 "total_tokens": len(req.prompt) + len(req.output),
                 "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
     async def outputs(request: HTTPRequest, req: Request, queue: asyncio.Queue, watch_disconnect: bool):
-        """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves (a
-        streaming response is cancelled by Starlette when its client goes); either way the engine cancels it."""
+        """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves, while
+        waiting for every output (a streaming response is cancelled by Starlette when its client goes); either
+        way the engine cancels the request at its next step."""
         done = False
+        gone = asyncio.create_task(disconnected(request)) if watch_disconnect else None
         try:
             while True:
-                if watch_disconnect:
-                    try:
-                        out = await asyncio.wait_for(queue.get(), timeout=0.25)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
-                else:
+                if gone is None:
                     out = await queue.get()
+                elif queue.empty():
+                    get = asyncio.ensure_future(queue.get())
+                    await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        return
+                    out = get.result()
+                else:
+                    out = queue.get_nowait()
                 if isinstance(out, BaseException):
                     raise APIError(500, f"the engine failed: {out!r}", type="server_error")
                 yield out
@@ -570,6 +580,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                     done = True
                     return
         finally:
+            if gone is not None:
+                gone.cancel()
             if not done:
                 request.app.state.loop.cancel(req.id)
 

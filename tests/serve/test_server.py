@@ -264,6 +264,24 @@ def test_client_disconnect_cancels_and_frees_pages(server):
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 200
 
 
+def test_non_streaming_disconnect_cancels_within_a_step(server):
+    """A non-streaming client that hangs up while its request decodes: the engine cancels it within a step or two,
+    not after the whole generation (tokens keep arriving, so the handler must watch the connection meanwhile)."""
+    engine = server.engine
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 240, "temperature": 0}
+    wait_for(lambda: not engine.has_work())
+    before = dict(stats(server))
+    with httpx.Client(timeout=TIMEOUT) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    gone = stats(server)["decode_tokens"]
+    wait_for(lambda: stats(server)["finished"] == before["finished"] + 1 and not engine.has_work())
+    after = stats(server)
+    assert after["decode_tokens"] - gone <= 10, "decoded on after the client left"
+    assert after["decode_tokens"] - before["decode_tokens"] < 200
+    assert engine.pool.reserved == 0 and after["running"] == 0
+
+
 def test_bad_requests_get_openai_error_bodies(server):
     url = server.url + "/v1/chat/completions"
     ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
