@@ -36,6 +36,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -50,7 +51,7 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
@@ -231,6 +232,39 @@ class _Body(BaseModel):
     # presence_penalty, ...) is refused instead of silently ignored.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value):
+        # NOTE: JSON may escape a lone surrogate ("\ud800"); Python decodes it into a str that cannot be encoded
+        # as UTF-8, so the tokenizer would fail (a 500). Refused in every string field, named by its own path
+        # (before validation: pydantic's own error for it would name a union member). Nested bodies check their
+        # own fields; free-form JSON (tool parameters) is walked where it is declared.
+        return _unicode_only(value) if isinstance(value, str) else value
+
+
+def _unicode_only(value):
+    """`value` (a string or JSON-like value) if it holds no lone surrogate; else ValueError."""
+    if (bad := _lone_surrogate(value)) is not None:
+        raise ValueError(f"contains the lone surrogate U+{ord(bad):04X}, which is not a Unicode character")
+    return value
+
+
+_UNION_TAGS = {"str", "int"}  # member tags of the union fields below (see the RequestValidationError handler)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first lone surrogate in a string, or in the strings (keys too) of a JSON-like value; None if none."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        return m.group() if m else None
+    items = value.items() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        for v in item if isinstance(value, dict) else (item,):
+            if (bad := _lone_surrogate(v)) is not None:
+                return bad
+    return None
+
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -273,6 +307,8 @@ class FunctionDef(_Body):
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    _parameters_unicode = field_validator("parameters")(_unicode_only)
 
 
 class ToolDef(_Body):
@@ -493,8 +529,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        errors = e.errors()
+        # NOTE: a value in a union field gets one error per member, each ending in the member's tag ("str",
+        # "list[TextPart]"); our own checks (value_error) say more than "not a str", and the tags are no field
+        err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and p not in _UNION_TAGS and "[" not in str(p)]
         param = ".".join(loc) or None
         if err.get("type") == "json_invalid":
             return send_error(400, f"the body is not valid JSON: {err.get('msg')} (at {param})", None, "invalid_json")

@@ -315,6 +315,33 @@ def test_bad_requests_get_openai_error_bodies(server):
         assert r.status_code == 404 and "error" in r.json()
 
 
+def test_lone_surrogates_are_refused_naming_the_field(server):
+    """Valid JSON may escape a lone surrogate ("\\ud800"), which no UTF-8 tokenizer can encode: a 400 naming the
+    field, never a 500."""
+    user = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": "f", "description": "@", "parameters": {"type": "object"}}}
+    call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "@"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "@"}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", {"messages": [user], "tools": [tool]}, "tools.0.function.description"),
+        ("/v1/chat/completions", {"messages": [user, {"role": "assistant", "tool_calls": [call]},
+                                               {"role": "tool", "tool_call_id": "@", "content": "1"}]},
+         "messages.2.tool_call_id"),
+        ("/v1/chat/completions", {"messages": [user], "tools": [dict(tool, function={
+            "name": "f", "parameters": {"@": 1}})]}, "tools.0.function.parameters"),
+        ("/v1/completions", {"prompt": "x = @"}, "prompt"),
+    ]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for path, fields, param in cases:
+            raw = json.dumps({"model": NAME, "max_tokens": 2, **fields}).replace("@", "\\ud800")
+            r = http.post(server.url + path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (fields, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "surrogate" in err["message"] and param in err["message"], err
+
+
 def test_serve_command_defaults_to_localhost():
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
