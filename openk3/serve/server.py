@@ -49,6 +49,7 @@ from typing import Literal
 import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -499,10 +500,51 @@ class Metrics:
 
 # ------------------------------------------------------------------------------------------ the app
 
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: a prompt far longer than any context, still tokenised in seconds
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 (by its Content-Length, at once, or as soon as
+    the bytes received pass the limit), so a huge body is never buffered, parsed or tokenised. A body within the
+    limit is read here and replayed to the app, whose later receive() calls (the disconnect) pass through."""
+
+    def __init__(self, app, max_bytes: int, refuse):
+        self.app, self.max_bytes, self.refuse = app, max_bytes, refuse  # refuse(message) -> a Response
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(f"the body has {int(length)} bytes", scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(f"the body has more than {size} bytes", scope, receive, send)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, what: str, scope, receive, send) -> None:
+        response = self.refuse(f"{what}; this server takes at most {self.max_bytes} (--max-body-bytes)")
+        await response(scope, receive, send)
+
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-               max_context: int | None = None) -> FastAPI:
+               max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine`. `max_context`: the most tokens (prompt + max_tokens) one request may use
-    (default: the model's max_position_embeddings). With `api_key`, /v1 routes and /metrics need
+    (default: the model's max_position_embeddings); a longer prompt is refused after tokenisation, whose cost
+    `max_body_bytes` bounds (a larger body is a 413). With `api_key`, /v1 routes and /metrics need
     `Authorization: Bearer <api_key>`. The engine thread runs between the app's startup and shutdown (lifespan)."""
     max_context = max_context or engine.model.config.max_position_embeddings
     metrics = Metrics()
@@ -522,6 +564,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                    type: str = "invalid_request_error") -> JSONResponse:
         metrics.errors[status] += 1
         return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       refuse=lambda message: send_error(413, message, None, "request_too_large"))
 
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
@@ -652,7 +697,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         tools = None
         if body.tools and body.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        prompt = encode_conversation(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], tools)
+        # NOTE: rendering and tokenising a long conversation takes seconds: off the event loop, so that every other
+        # client (and /health) is answered meanwhile
+        prompt = await run_in_threadpool(encode_conversation, tokenizer,
+                                         [m.model_dump(exclude_none=True) for m in body.messages], tools)
         params = sampling(body, len(prompt), chat_stops, "messages")
         req, queue = submit(request, prompt, params, body.cache_salt, "messages")
         rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
@@ -708,7 +756,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_model(body.model)
         # a text prompt starts after [BOS] (as `openk3 generate`); a list of ids is taken as it is
-        prompt = [tokenizer.bos_id] + tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if isinstance(body.prompt, str):  # NOTE: off the event loop, as in chat_completions
+            prompt = [tokenizer.bos_id] + await run_in_threadpool(tokenizer.encode, body.prompt)
+        else:
+            prompt = body.prompt
         params = sampling(body, len(prompt), end_of_text, "prompt")
         req, queue = submit(request, prompt, params, body.cache_salt, "prompt")
         rid, created = f"cmpl-{req.id[4:]}", int(time.time())
@@ -795,6 +846,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="requests prefilling or decoding at once")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted; larger gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--max-context", type=int, default=None,
                    help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
     p.set_defaults(fn=cmd_serve)
@@ -807,7 +860,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
                           max_batch=args.max_batch)
     name = args.served_model_name or Path(args.model).resolve().name  # the directory the user named, e.g. a run
-    app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context)
+    app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context,
+                     max_body_bytes=args.max_body_bytes)
     key = " (API key required)" if args.api_key else ""
     print(f"openk3 serve: {name} on http://{args.host}:{args.port}/v1{key}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -342,6 +342,36 @@ def test_lone_surrogates_are_refused_naming_the_field(server):
             assert err["param"] == param and "surrogate" in err["message"] and param in err["message"], err
 
 
+def test_large_bodies_tokenise_off_the_event_loop_and_over_the_limit_get_413(loaded):
+    """A body under the limit that takes about a second to tokenise does not stop /health (or anyone else) being
+    answered meanwhile; a body over the limit is refused at once with 413, before it is parsed."""
+    model, tok = loaded
+    srv = Server(create_app(make_engine(model), tok, NAME, max_context=MAX_CONTEXT, max_body_bytes=2 << 20)).start()
+    try:
+        text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+        big = {"model": NAME, "prompt": (text * 60)[:1 << 20], "max_tokens": 1}  # about 1 s of tokenising
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(r=httpx.post(srv.url + "/v1/completions", json=big,
+                                                                              timeout=TIMEOUT)))
+        with httpx.Client(timeout=TIMEOUT) as http:
+            worker.start()
+            time.sleep(0.2)  # the big body has been received and is being tokenised
+            t0 = time.monotonic()
+            assert http.get(srv.url + "/health").status_code == 200
+            assert time.monotonic() - t0 < 0.5 and worker.is_alive(), "/health waited for the tokeniser"
+            worker.join(TIMEOUT)
+            assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
+            huge = dict(big, prompt="x" * (3 << 20))
+            t0 = time.monotonic()
+            r = http.post(srv.url + "/v1/completions", json=huge)
+            assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - t0 < 1.0
+            chunked = http.post(srv.url + "/v1/completions", content=iter([b"x" * (1 << 20)] * 3))
+            assert chunked.status_code == 413
+    finally:
+        srv.stop()
+
+
 def test_serve_command_defaults_to_localhost():
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
