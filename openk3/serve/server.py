@@ -659,6 +659,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                     out = queue.get_nowait()
                 if isinstance(out, BaseException):
                     raise APIError(500, f"the engine failed: {out!r}", type="server_error")
+                if out.finish_reason == "error":  # this request failed alone; the engine serves on
+                    done = True
+                    log.error("request %s failed: %s", req.id, req.error)
+                    raise APIError(500, f"generation failed: {req.error}", code="generation_failed",
+                                   type="server_error")
                 yield out
                 if out.finish_reason is not None:
                     done = True
@@ -668,6 +673,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                 gone.cancel()
             if not done:
                 request.app.state.loop.cancel(req.id)
+
+    async def sse(events):
+        """Server-sent events, ending in an error event if generation fails once the stream has begun (the status
+        line has gone out by then), as OpenAI's streams do."""
+        try:
+            async for event in events:
+                yield event
+        except APIError as e:
+            metrics.errors[e.status] += 1
+            yield "data: " + json.dumps(error_body(e.message, e.type, e.param, e.code)) + "\n\n"
 
     def visible(out: StepOutput) -> list[int]:
         return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
@@ -750,7 +765,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                                              "model": model_name, "choices": [], "usage": usage(req)}) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse(events()), media_type="text/event-stream")
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
@@ -790,7 +805,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             yield "data: " + json.dumps(body_of("", req.finish_reason, include_usage)) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse(events()), media_type="text/event-stream")
 
     return app
 

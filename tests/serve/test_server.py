@@ -372,6 +372,38 @@ def test_large_bodies_tokenise_off_the_event_loop_and_over_the_limit_get_413(loa
         srv.stop()
 
 
+def test_nan_logits_fail_one_request_and_the_server_serves_on(loaded, monkeypatch):
+    """A request whose logits turn NaN gets a 500 (non-streaming) or an error event (streaming) naming the cause;
+    the engine thread lives on, so /health is ok and the next request succeeds."""
+    model, tok = loaded
+    engine = make_engine(model)
+    forward, poison = engine._forward, [7, 7, 7, 7]
+
+    def poisoned(model, pool, seqs, kda, tokens, logits_to_keep=0):
+        logits = forward(model, pool, seqs, kda, tokens, logits_to_keep)
+        for b, s in enumerate(seqs):
+            if any(r.seq is s and r.prompt == poison for r in engine.prefilling + engine.running):
+                logits[b] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine, "_forward", poisoned)
+    srv = Server(create_app(engine, tok, NAME, max_context=MAX_CONTEXT)).start()
+    try:
+        bad = {"model": NAME, "prompt": poison, "max_tokens": 4, "temperature": 1.0}
+        with httpx.Client(timeout=TIMEOUT) as http:
+            r = http.post(srv.url + "/v1/completions", json=bad)
+            assert r.status_code == 500 and "NaN" in r.json()["error"]["message"], r.text
+            r = http.post(srv.url + "/v1/completions", json=dict(bad, stream=True))
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert "NaN" in events[-1]["error"]["message"], r.text
+            assert http.get(srv.url + "/health").status_code == 200
+            r = http.post(srv.url + "/v1/completions", json=dict(bad, prompt="x = "))
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert engine.pool.reserved == 0
+    finally:
+        srv.stop()
+
+
 def test_serve_command_defaults_to_localhost():
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
