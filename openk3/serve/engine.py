@@ -591,6 +591,19 @@ def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    add_threads_arg(parser)
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    # NOTE: 1 by default, as `openk3 train` (measured there): a small model's ops are too small to split across
+    # threads, which then wait on each other. Raise it for bigger models on CPU.
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+
+
+def set_threads(threads: int) -> None:
+    if threads < 1:
+        raise ValueError(f"--threads={threads}: must be >= 1")
+    torch.set_num_threads(threads)
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
@@ -604,6 +617,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _engine_from_args(args: argparse.Namespace):
+    set_threads(args.threads)
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     draft = None
     if args.draft is not None:

@@ -56,8 +56,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
-from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
-                                 chat_stop_ids, encode_message)
+from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg,
+                                 assistant_header, chat_stop_ids, encode_message, set_threads)
 
 log = logging.getLogger("openk3.serve.server")
 
@@ -863,6 +863,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted; larger gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    add_threads_arg(p)
     p.add_argument("--max-context", type=int, default=None,
                    help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
     p.set_defaults(fn=cmd_serve)
@@ -871,6 +872,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
+    set_threads(args.threads)
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
                           max_batch=args.max_batch)

@@ -330,7 +330,15 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys, monkeypatch):
 
     args = parser.parse_args(["generate", "--model", str(tmp_path), "--prompt", "hello", "--max-tokens", "6",
                               "--temperature", "0", "--json", "--device", "cpu"])
-    args.fn(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        args.fn(args)
+        assert torch.get_num_threads() == 1  # the --threads default, as `openk3 train`'s, not torch's core count
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="--threads=0"):
+        args.fn(parser.parse_args(["generate", "--model", str(tmp_path), "--prompt", "x", "--threads", "0"]))
     out = json.loads(capsys.readouterr().out)
     from openk3.model.checkpoint import load_for_inference
     loaded, _, _ = load_for_inference(tmp_path)

@@ -408,7 +408,9 @@ def test_serve_command_defaults_to_localhost():
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--model", "some/dir"])
-    assert (args.host, args.port, args.fn) == ("127.0.0.1", 8000, cmd_serve)
+    assert (args.host, args.port, args.fn, args.threads) == ("127.0.0.1", 8000, cmd_serve, 1)
+    with pytest.raises(ValueError, match="--threads=0"):
+        cmd_serve(parser.parse_args(["serve", "--model", "x", "--threads", "0"]))
     with pytest.raises(ValueError, match="--cache-tokens=8"):
         cmd_serve(parser.parse_args(["serve", "--model", "x", "--cache-tokens", "8"]))
 
