@@ -423,6 +423,8 @@ def test_api_key_required_when_configured(loaded):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == NAME
         assert http.get("/health").status_code == 200
+    with TestClient(create_app(make_engine(model), tok, NAME, api_key="")) as http:  # OPENK3_API_KEY="": open
+        assert http.get("/v1/models").status_code == 200
 
 
 def test_metrics_in_prometheus_format(client, server):
