@@ -547,7 +547,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     `max_body_bytes` bounds (a larger body is a 413). With `api_key`, /v1 routes and /metrics need
     `Authorization: Bearer <api_key>`. The engine thread runs between the app's startup and shutdown (lifespan)."""
     api_key = api_key or None  # NOTE: OPENK3_API_KEY="" means no key (as the banner says), not "send the empty key"
-    max_context = max_context or engine.model.config.max_position_embeddings
+    positions = engine.model.config.max_position_embeddings
+    if max_context is not None and max_context > positions:
+        raise ValueError(f"max_context={max_context} (--max-context) exceeds the model's "
+                         f"max_position_embeddings={positions}")
+    max_context = max_context or positions
     metrics = Metrics()
     end_of_text = (tokenizer.eos_id,)
     chat_stops = chat_stop_ids(tokenizer)

@@ -423,6 +423,9 @@ def test_api_key_required_when_configured(loaded):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == NAME
         assert http.get("/health").status_code == 200
+    n = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_context={n + 1} .*max_position_embeddings={n}"):
+        create_app(make_engine(model), tok, NAME, max_context=n + 1)
     with TestClient(create_app(make_engine(model), tok, NAME, api_key="")) as http:  # OPENK3_API_KEY="": open
         assert http.get("/v1/models").status_code == 200
 
