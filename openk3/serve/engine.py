@@ -84,7 +84,7 @@ class EngineConfig:
 class Request:
     """One generation request. The caller reads `output` (generated ids, the stop token included), `logprobs`
     (fp32 log-probability of each under the target model's raw logits), `finish_reason` ("stop", "length",
-    "cancelled" or None while running), `cached_tokens` (prompt tokens taken from the prefix cache) and the
+    "cancelled", "error" or None while running; `error` then says why), `cached_tokens` (prompt tokens taken from the prefix cache) and the
     timestamps; everything below `status` is the engine's."""
 
     id: str
@@ -94,6 +94,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     cached_tokens: int = 0
     submitted_at: float = 0.0
     first_token_at: float | None = None
@@ -326,6 +327,9 @@ class Engine:
                 end = (start // ci + 1) * ci  # stop at the checkpoint boundary: the state exists only there
             logits = self._forward(self.model, self.pool, [req.seq], req.kda, [req.prompt[start:end]],
                                    logits_to_keep=1)
+            if not all(self._finite(logits[:, -1], [req], outputs)):  # before its states reach the prefix cache
+                self.prefilling.pop(0)
+                continue
             budget -= end - start
             self.counters["prefill_tokens"] += end - start
             if self.prefix is not None:
@@ -356,9 +360,15 @@ class Engine:
             req.kda = req.draft_kda = None
 
     def _decode(self, outputs: list[StepOutput]) -> None:
+        logits = self._forward(self.model, self.pool, [r.seq for r in self.running], self.kda,
+                               [[r.output[-1]] for r in self.running])[:, -1]
+        finite = self._finite(logits, self.running, outputs)
+        if not all(finite):
+            self._leave([b for b, ok in enumerate(finite) if not ok])
+            logits = logits[torch.tensor(finite, device=self.device)]
         reqs = self.running
-        logits = self._forward(self.model, self.pool, [r.seq for r in reqs], self.kda,
-                               [[r.output[-1]] for r in reqs])[:, -1]
+        if not reqs:
+            return
         tokens = sample_tokens(logits, reqs)
         logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens, device=self.device)[:, None])
         for r, t, lp in zip(reqs, tokens, logprobs[:, 0].tolist()):
@@ -432,6 +442,18 @@ class Engine:
         self._retire(outputs)
 
     # ---- outputs and endings
+    def _finite(self, logits_BV: Tensor, reqs: list[Request], outputs: list[StepOutput]) -> list[bool]:
+        """Per row, whether its logits are all finite. A row that is not fails its request alone (finish_reason
+        "error"): NaN logits cannot be sampled (multinomial raises, which would stop every request) and greedy
+        would emit garbage. The caller takes the failed rows out of its batch."""
+        finite = torch.isfinite(logits_BV).all(-1).tolist()
+        for r, ok in zip(reqs, finite):
+            if not ok:
+                r.error = (f"the model produced NaN or infinite logits at position {len(r.prompt) + len(r.output)} "
+                           f"(after {len(r.output)} generated tokens)")
+                self._end(r, "error", outputs)
+        return finite
+
     def _emit(self, req: Request, tokens: list[int], logprobs: list[float], outputs: list[StepOutput]) -> int:
         """Append tokens to the request up to (and including) the first stop token or the max_tokens limit;
         returns how many were kept."""
@@ -569,6 +591,19 @@ def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    add_threads_arg(parser)
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    # NOTE: 1 by default, as `openk3 train` (measured there): a small model's ops are too small to split across
+    # threads, which then wait on each other. Raise it for bigger models on CPU.
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+
+
+def set_threads(threads: int) -> None:
+    if threads < 1:
+        raise ValueError(f"--threads={threads}: must be >= 1")
+    torch.set_num_threads(threads)
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
@@ -582,6 +617,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _engine_from_args(args: argparse.Namespace):
+    set_threads(args.threads)
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     draft = None
     if args.draft is not None:
@@ -619,6 +655,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.json:
         while not req.finished:
             engine.step()
+        if req.error is not None:
+            sys.exit(f"openk3 generate: error: {req.error}")
         ids = req.completion_ids
         print(json.dumps({"prompt": args.prompt, "prompt_tokens": len(prompt), "token_ids": ids,
                           "text": tokenizer.decode(ids, skip_special=True), "finish_reason": req.finish_reason,
@@ -630,6 +668,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sys.stdout.write(args.prompt)
     _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     sys.stdout.write("\n")
+    if req.error is not None:
+        sys.exit(f"openk3 generate: error: {req.error}")
 
 
 def cmd_chat(args: argparse.Namespace, read=input) -> None:
@@ -650,6 +690,9 @@ def cmd_chat(args: argparse.Namespace, read=input) -> None:
         req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
         sys.stdout.write("k3> ")
         _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        if req.error is not None:  # the conversation goes on without this turn
+            print(f"\n[error: {req.error}]")
+            continue
         print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
               f"generated, {req.finish_reason}]")
         history = prompt + req.output + ([] if req.output[-1] == end else [end])

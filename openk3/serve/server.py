@@ -36,6 +36,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -48,14 +49,15 @@ from typing import Literal
 import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
-from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, assistant_header,
-                                 chat_stop_ids, encode_message)
+from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg,
+                                 assistant_header, chat_stop_ids, encode_message, set_threads)
 
 log = logging.getLogger("openk3.serve.server")
 
@@ -231,6 +233,39 @@ class _Body(BaseModel):
     # presence_penalty, ...) is refused instead of silently ignored.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value):
+        # NOTE: JSON may escape a lone surrogate ("\ud800"); Python decodes it into a str that cannot be encoded
+        # as UTF-8, so the tokenizer would fail (a 500). Refused in every string field, named by its own path
+        # (before validation: pydantic's own error for it would name a union member). Nested bodies check their
+        # own fields; free-form JSON (tool parameters) is walked where it is declared.
+        return _unicode_only(value) if isinstance(value, str) else value
+
+
+def _unicode_only(value):
+    """`value` (a string or JSON-like value) if it holds no lone surrogate; else ValueError."""
+    if (bad := _lone_surrogate(value)) is not None:
+        raise ValueError(f"contains the lone surrogate U+{ord(bad):04X}, which is not a Unicode character")
+    return value
+
+
+_UNION_TAGS = {"str", "int"}  # member tags of the union fields below (see the RequestValidationError handler)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first lone surrogate in a string, or in the strings (keys too) of a JSON-like value; None if none."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        return m.group() if m else None
+    items = value.items() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        for v in item if isinstance(value, dict) else (item,):
+            if (bad := _lone_surrogate(v)) is not None:
+                return bad
+    return None
+
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -273,6 +308,8 @@ class FunctionDef(_Body):
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    _parameters_unicode = field_validator("parameters")(_unicode_only)
 
 
 class ToolDef(_Body):
@@ -463,12 +500,58 @@ class Metrics:
 
 # ------------------------------------------------------------------------------------------ the app
 
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: a prompt far longer than any context, still tokenised in seconds
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 (by its Content-Length, at once, or as soon as
+    the bytes received pass the limit), so a huge body is never buffered, parsed or tokenised. A body within the
+    limit is read here and replayed to the app, whose later receive() calls (the disconnect) pass through."""
+
+    def __init__(self, app, max_bytes: int, refuse):
+        self.app, self.max_bytes, self.refuse = app, max_bytes, refuse  # refuse(message) -> a Response
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(f"the body has {int(length)} bytes", scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(f"the body has more than {size} bytes", scope, receive, send)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, what: str, scope, receive, send) -> None:
+        response = self.refuse(f"{what}; this server takes at most {self.max_bytes} (--max-body-bytes)")
+        await response(scope, receive, send)
+
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-               max_context: int | None = None) -> FastAPI:
+               max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine`. `max_context`: the most tokens (prompt + max_tokens) one request may use
-    (default: the model's max_position_embeddings). With `api_key`, /v1 routes and /metrics need
+    (default: the model's max_position_embeddings); a longer prompt is refused after tokenisation, whose cost
+    `max_body_bytes` bounds (a larger body is a 413). With `api_key`, /v1 routes and /metrics need
     `Authorization: Bearer <api_key>`. The engine thread runs between the app's startup and shutdown (lifespan)."""
-    max_context = max_context or engine.model.config.max_position_embeddings
+    api_key = api_key or None  # NOTE: OPENK3_API_KEY="" means no key (as the banner says), not "send the empty key"
+    positions = engine.model.config.max_position_embeddings
+    if max_context is not None and max_context > positions:
+        raise ValueError(f"max_context={max_context} (--max-context) exceeds the model's "
+                         f"max_position_embeddings={positions}")
+    max_context = max_context or positions
     metrics = Metrics()
     end_of_text = (tokenizer.eos_id,)
     chat_stops = chat_stop_ids(tokenizer)
@@ -487,14 +570,20 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         metrics.errors[status] += 1
         return JSONResponse(error_body(message, type, param, code), status_code=status)
 
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       refuse=lambda message: send_error(413, message, None, "request_too_large"))
+
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
         return send_error(e.status, e.message, e.param, e.code, e.type)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        errors = e.errors()
+        # NOTE: a value in a union field gets one error per member, each ending in the member's tag ("str",
+        # "list[TextPart]"); our own checks (value_error) say more than "not a str", and the tags are no field
+        err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and p not in _UNION_TAGS and "[" not in str(p)]
         param = ".".join(loc) or None
         if err.get("type") == "json_invalid":
             return send_error(400, f"the body is not valid JSON: {err.get('msg')} (at {param})", None, "invalid_json")
@@ -543,35 +632,62 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         except ValueError as e:
             raise APIError(400, str(e), param, "invalid_prompt") from None
 
+    async def disconnected(request: HTTPRequest) -> None:
+        """Returns when the client has gone. NOTE: the body has been read, so the next ASGI message is the
+        disconnect; waiting on it costs nothing (polling `is_disconnected` between tokens would need a timeout)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     def usage(req: Request) -> dict:
         return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                 "total_tokens": len(req.prompt) + len(req.output),
                 "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
     async def outputs(request: HTTPRequest, req: Request, queue: asyncio.Queue, watch_disconnect: bool):
-        """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves (a
-        streaming response is cancelled by Starlette when its client goes); either way the engine cancels it."""
+        """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves, while
+        waiting for every output (a streaming response is cancelled by Starlette when its client goes); either
+        way the engine cancels the request at its next step."""
         done = False
+        gone = asyncio.create_task(disconnected(request)) if watch_disconnect else None
         try:
             while True:
-                if watch_disconnect:
-                    try:
-                        out = await asyncio.wait_for(queue.get(), timeout=0.25)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
-                else:
+                if gone is None:
                     out = await queue.get()
+                elif queue.empty():
+                    get = asyncio.ensure_future(queue.get())
+                    await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        return
+                    out = get.result()
+                else:
+                    out = queue.get_nowait()
                 if isinstance(out, BaseException):
                     raise APIError(500, f"the engine failed: {out!r}", type="server_error")
+                if out.finish_reason == "error":  # this request failed alone; the engine serves on
+                    done = True
+                    log.error("request %s failed: %s", req.id, req.error)
+                    raise APIError(500, f"generation failed: {req.error}", code="generation_failed",
+                                   type="server_error")
                 yield out
                 if out.finish_reason is not None:
                     done = True
                     return
         finally:
+            if gone is not None:
+                gone.cancel()
             if not done:
                 request.app.state.loop.cancel(req.id)
+
+    async def sse(events):
+        """Server-sent events, ending in an error event if generation fails once the stream has begun (the status
+        line has gone out by then), as OpenAI's streams do."""
+        try:
+            async for event in events:
+                yield event
+        except APIError as e:
+            metrics.errors[e.status] += 1
+            yield "data: " + json.dumps(error_body(e.message, e.type, e.param, e.code)) + "\n\n"
 
     def visible(out: StepOutput) -> list[int]:
         return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
@@ -601,7 +717,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         tools = None
         if body.tools and body.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        prompt = encode_conversation(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], tools)
+        # NOTE: rendering and tokenising a long conversation takes seconds: off the event loop, so that every other
+        # client (and /health) is answered meanwhile
+        prompt = await run_in_threadpool(encode_conversation, tokenizer,
+                                         [m.model_dump(exclude_none=True) for m in body.messages], tools)
         params = sampling(body, len(prompt), chat_stops, "messages")
         req, queue = submit(request, prompt, params, body.cache_salt, "messages")
         rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
@@ -651,13 +770,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                                              "model": model_name, "choices": [], "usage": usage(req)}) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse(events()), media_type="text/event-stream")
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_model(body.model)
         # a text prompt starts after [BOS] (as `openk3 generate`); a list of ids is taken as it is
-        prompt = [tokenizer.bos_id] + tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if isinstance(body.prompt, str):  # NOTE: off the event loop, as in chat_completions
+            prompt = [tokenizer.bos_id] + await run_in_threadpool(tokenizer.encode, body.prompt)
+        else:
+            prompt = body.prompt
         params = sampling(body, len(prompt), end_of_text, "prompt")
         req, queue = submit(request, prompt, params, body.cache_salt, "prompt")
         rid, created = f"cmpl-{req.id[4:]}", int(time.time())
@@ -688,7 +810,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             yield "data: " + json.dumps(body_of("", req.finish_reason, include_usage)) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse(events()), media_type="text/event-stream")
 
     return app
 
@@ -744,6 +866,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="requests prefilling or decoding at once")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted; larger gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    add_threads_arg(p)
     p.add_argument("--max-context", type=int, default=None,
                    help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
     p.set_defaults(fn=cmd_serve)
@@ -752,11 +877,13 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
+    set_threads(args.threads)
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
                           max_batch=args.max_batch)
     name = args.served_model_name or Path(args.model).resolve().name  # the directory the user named, e.g. a run
-    app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context)
+    app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context,
+                     max_body_bytes=args.max_body_bytes)
     key = " (API key required)" if args.api_key else ""
     print(f"openk3 serve: {name} on http://{args.host}:{args.port}/v1{key}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -318,7 +318,7 @@ def test_chat_encoding(tokenizer):
         encode_chat(tokenizer, [{"role": "robot", "content": "x"}])
 
 
-def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
+def test_cli_generate_and_chat(tokenizer, tmp_path, capsys, monkeypatch):
     torch.manual_seed(0)
     config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
@@ -330,7 +330,15 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
 
     args = parser.parse_args(["generate", "--model", str(tmp_path), "--prompt", "hello", "--max-tokens", "6",
                               "--temperature", "0", "--json", "--device", "cpu"])
-    args.fn(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        args.fn(args)
+        assert torch.get_num_threads() == 1  # the --threads default, as `openk3 train`'s, not torch's core count
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="--threads=0"):
+        args.fn(parser.parse_args(["generate", "--model", str(tmp_path), "--prompt", "x", "--threads", "0"]))
     out = json.loads(capsys.readouterr().out)
     from openk3.model.checkpoint import load_for_inference
     loaded, _, _ = load_for_inference(tmp_path)
@@ -355,6 +363,13 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys):
     cached = [int(line.split("[")[1].split("/")[0]) for line in shown.splitlines() if "prefix cache" in line]
     assert cached[0] == 0 and cached[1] > 0
 
+    # a model whose logits are NaN: a one-line error naming the cause, not a RuntimeError traceback
+    forward = Engine._forward
+    monkeypatch.setattr(Engine, "_forward", lambda self, *a, **k: forward(self, *a, **k) * float("nan"))
+    args = parser.parse_args(["generate", "--model", str(tmp_path), "--prompt", "hello", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="openk3 generate: error: the model produced NaN"):
+        args.fn(args)
+
 
 def test_extreme_sampling_parameters_stay_finite():
     """A tiny temperature is the greedy limit and a tiny top_p keeps the most likely token: no NaN, no empty set."""
@@ -366,3 +381,36 @@ def test_extreme_sampling_parameters_stay_finite():
         p = filtered_probs(logits, params)
         assert torch.isfinite(p).all() and p.sum().item() == pytest.approx(1.0)
         assert p.argmax().item() == logits.argmax().item() and p.max().item() == pytest.approx(1.0)
+
+
+def poison(engine: Engine, victim, after: int) -> None:
+    """Make the target model's logits NaN for `victim`'s row once it has `after` output tokens (0: its prefill)."""
+    forward = engine._forward
+
+    def poisoned(model, pool, seqs, kda, tokens, logits_to_keep=0):
+        logits = forward(model, pool, seqs, kda, tokens, logits_to_keep)
+        for b, s in enumerate(seqs):
+            if s is victim.seq and len(victim.output) >= after:
+                logits[b] = float("nan")
+        return logits
+
+    engine._forward = poisoned
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_nan_logits_fail_only_their_request(after):
+    """NaN logits in one row (at prefill or mid-decode) end that request with finish_reason "error" and a reason;
+    the batch around it decodes on exactly as without it, and the engine takes new requests."""
+    model = small_model("k3")
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=8))
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())  # sampled: NaN would raise
+    clean = [r.output for r in Engine(model, EngineConfig(page_size=4, num_pages=300)).generate(prompts, params)]
+    reqs = [engine.submit(p, params) for p in prompts]
+    poison(engine, reqs[1], after)
+    while engine.has_work():
+        engine.step()
+    assert reqs[1].finish_reason == "error" and "NaN" in reqs[1].error and len(reqs[1].output) == after
+    assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
+    assert engine.pool.reserved == 0 and not engine.running
+    assert engine.generate([prompts[0]], params)[0].output == clean[0]

@@ -264,6 +264,24 @@ def test_client_disconnect_cancels_and_frees_pages(server):
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 200
 
 
+def test_non_streaming_disconnect_cancels_within_a_step(server):
+    """A non-streaming client that hangs up while its request decodes: the engine cancels it within a step or two,
+    not after the whole generation (tokens keep arriving, so the handler must watch the connection meanwhile)."""
+    engine = server.engine
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 240, "temperature": 0}
+    wait_for(lambda: not engine.has_work())
+    before = dict(stats(server))
+    with httpx.Client(timeout=TIMEOUT) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    gone = stats(server)["decode_tokens"]
+    wait_for(lambda: stats(server)["finished"] == before["finished"] + 1 and not engine.has_work())
+    after = stats(server)
+    assert after["decode_tokens"] - gone <= 10, "decoded on after the client left"
+    assert after["decode_tokens"] - before["decode_tokens"] < 200
+    assert engine.pool.reserved == 0 and after["running"] == 0
+
+
 def test_bad_requests_get_openai_error_bodies(server):
     url = server.url + "/v1/chat/completions"
     ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -297,11 +315,102 @@ def test_bad_requests_get_openai_error_bodies(server):
         assert r.status_code == 404 and "error" in r.json()
 
 
+def test_lone_surrogates_are_refused_naming_the_field(server):
+    """Valid JSON may escape a lone surrogate ("\\ud800"), which no UTF-8 tokenizer can encode: a 400 naming the
+    field, never a 500."""
+    user = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": "f", "description": "@", "parameters": {"type": "object"}}}
+    call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "@"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "@"}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", {"messages": [user], "tools": [tool]}, "tools.0.function.description"),
+        ("/v1/chat/completions", {"messages": [user, {"role": "assistant", "tool_calls": [call]},
+                                               {"role": "tool", "tool_call_id": "@", "content": "1"}]},
+         "messages.2.tool_call_id"),
+        ("/v1/chat/completions", {"messages": [user], "tools": [dict(tool, function={
+            "name": "f", "parameters": {"@": 1}})]}, "tools.0.function.parameters"),
+        ("/v1/completions", {"prompt": "x = @"}, "prompt"),
+    ]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for path, fields, param in cases:
+            raw = json.dumps({"model": NAME, "max_tokens": 2, **fields}).replace("@", "\\ud800")
+            r = http.post(server.url + path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (fields, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "surrogate" in err["message"] and param in err["message"], err
+
+
+def test_large_bodies_tokenise_off_the_event_loop_and_over_the_limit_get_413(loaded):
+    """A body under the limit that takes about a second to tokenise does not stop /health (or anyone else) being
+    answered meanwhile; a body over the limit is refused at once with 413, before it is parsed."""
+    model, tok = loaded
+    srv = Server(create_app(make_engine(model), tok, NAME, max_context=MAX_CONTEXT, max_body_bytes=2 << 20)).start()
+    try:
+        text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+        big = {"model": NAME, "prompt": (text * 60)[:1 << 20], "max_tokens": 1}  # about 1 s of tokenising
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(r=httpx.post(srv.url + "/v1/completions", json=big,
+                                                                              timeout=TIMEOUT)))
+        with httpx.Client(timeout=TIMEOUT) as http:
+            worker.start()
+            time.sleep(0.2)  # the big body has been received and is being tokenised
+            t0 = time.monotonic()
+            assert http.get(srv.url + "/health").status_code == 200
+            assert time.monotonic() - t0 < 0.5 and worker.is_alive(), "/health waited for the tokeniser"
+            worker.join(TIMEOUT)
+            assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
+            huge = dict(big, prompt="x" * (3 << 20))
+            t0 = time.monotonic()
+            r = http.post(srv.url + "/v1/completions", json=huge)
+            assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - t0 < 1.0
+            chunked = http.post(srv.url + "/v1/completions", content=iter([b"x" * (1 << 20)] * 3))
+            assert chunked.status_code == 413
+    finally:
+        srv.stop()
+
+
+def test_nan_logits_fail_one_request_and_the_server_serves_on(loaded, monkeypatch):
+    """A request whose logits turn NaN gets a 500 (non-streaming) or an error event (streaming) naming the cause;
+    the engine thread lives on, so /health is ok and the next request succeeds."""
+    model, tok = loaded
+    engine = make_engine(model)
+    forward, poison = engine._forward, [7, 7, 7, 7]
+
+    def poisoned(model, pool, seqs, kda, tokens, logits_to_keep=0):
+        logits = forward(model, pool, seqs, kda, tokens, logits_to_keep)
+        for b, s in enumerate(seqs):
+            if any(r.seq is s and r.prompt == poison for r in engine.prefilling + engine.running):
+                logits[b] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine, "_forward", poisoned)
+    srv = Server(create_app(engine, tok, NAME, max_context=MAX_CONTEXT)).start()
+    try:
+        bad = {"model": NAME, "prompt": poison, "max_tokens": 4, "temperature": 1.0}
+        with httpx.Client(timeout=TIMEOUT) as http:
+            r = http.post(srv.url + "/v1/completions", json=bad)
+            assert r.status_code == 500 and "NaN" in r.json()["error"]["message"], r.text
+            r = http.post(srv.url + "/v1/completions", json=dict(bad, stream=True))
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert "NaN" in events[-1]["error"]["message"], r.text
+            assert http.get(srv.url + "/health").status_code == 200
+            r = http.post(srv.url + "/v1/completions", json=dict(bad, prompt="x = "))
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert engine.pool.reserved == 0
+    finally:
+        srv.stop()
+
+
 def test_serve_command_defaults_to_localhost():
     parser = argparse.ArgumentParser()
     register_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--model", "some/dir"])
-    assert (args.host, args.port, args.fn) == ("127.0.0.1", 8000, cmd_serve)
+    assert (args.host, args.port, args.fn, args.threads) == ("127.0.0.1", 8000, cmd_serve, 1)
+    with pytest.raises(ValueError, match="--threads=0"):
+        cmd_serve(parser.parse_args(["serve", "--model", "x", "--threads", "0"]))
     with pytest.raises(ValueError, match="--cache-tokens=8"):
         cmd_serve(parser.parse_args(["serve", "--model", "x", "--cache-tokens", "8"]))
 
@@ -314,6 +423,11 @@ def test_api_key_required_when_configured(loaded):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == NAME
         assert http.get("/health").status_code == 200
+    n = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_context={n + 1} .*max_position_embeddings={n}"):
+        create_app(make_engine(model), tok, NAME, max_context=n + 1)
+    with TestClient(create_app(make_engine(model), tok, NAME, api_key="")) as http:  # OPENK3_API_KEY="": open
+        assert http.get("/v1/models").status_code == 200
 
 
 def test_metrics_in_prometheus_format(client, server):
