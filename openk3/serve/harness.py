@@ -16,6 +16,7 @@ task's `until` strings (checked on the decoded text after every engine step) or 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +38,16 @@ class OpenK3LM(LM):
     """model_args: pretrained=DIR (a checkpoint or run directory), device=cpu|cuda, max_length (context cut from
     the left for scoring; default the model's max_position_embeddings), max_gen_toks (default 256)."""
 
-    def __init__(self, pretrained: str, device: str = "cpu", max_length: int | None = None,
+    def __init__(self, pretrained: str, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, batch_size: int | str = 1, **_ignored):
         super().__init__()
+        # NOTE: lm_eval's command line passes device="cuda:0" unless told otherwise; like lm_eval's own HF model,
+        # run on the CPU where there is no GPU, and say so
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            if device is not None:
+                print(f"openk3 lm-eval: device {device!r} asked for, but torch sees no GPU: using the CPU",
+                      file=sys.stderr)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer, _ = load_for_inference(pretrained, device=device)
         self.model.eval()
         self.torch_device = torch.device(device)
@@ -49,6 +57,10 @@ class OpenK3LM(LM):
         page = 64
         tokens = min(self.max_length, 32768) + self.max_gen_toks + page
         self.engine = Engine(self.model, EngineConfig(page_size=page, num_pages=4 * (-(-tokens // page)) + 8))
+
+    @property
+    def device(self) -> torch.device:  # lm_eval reads it to place its own tensors
+        return self.torch_device
 
     # ---- scoring
     @torch.inference_mode()
@@ -129,8 +141,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def run_lm_eval(args: argparse.Namespace) -> None:
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *args.extra]
