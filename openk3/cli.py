@@ -1,4 +1,4 @@
-"""The `openk3` command: info, init, train, eval, generate, chat, serve.
+"""The `openk3` command: info, init, train, eval, generate, chat, serve, render.
 
 A command imports only what it needs: `openk3 info` never loads the trainer, `openk3 train` never loads FastAPI.
 `COMMANDS` names the module that defines each command and its line in `openk3 --help`. Only the module of the
@@ -21,6 +21,7 @@ COMMANDS = {
     "generate": ("openk3.serve.engine", "continue a prompt with the inference engine"),
     "chat": ("openk3.serve.engine", "multi-turn chat in the terminal (shows cached prompt tokens per turn)"),
     "serve": ("openk3.serve.server", "an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine"),
+    "render": ("openk3.text.chat", "print a conversation rendered as the model's chat prompt (text, segments, ids)"),
 }
 
 
