@@ -510,6 +510,8 @@ class OutputParser:
         if kind == CLOSE:
             if text in TAGS:
                 self._close(text)
+            elif marker is None and any(t.startswith(text) for t in TAGS):
+                pass  # output cut inside a close tag's name: markup, dropped
             elif text:
                 self._text(text)
             return

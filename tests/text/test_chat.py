@@ -196,3 +196,147 @@ def test_chat_format_for_a_k2_tokenizer(tmp_path):
         "<|im_user|>user<|im_middle|>x<|im_end|><|im_assistant|>assistant<|im_middle|>"
     with pytest.raises(ValueError, match="K2 chat format has no"):
         render_k2([], effort="high")
+
+
+# ------------------------------------------------------------------------------------------ the output parser
+
+def call(name, **args):
+    return {"name": name, "arguments": args}
+
+
+def calls_of(out):
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+            for c in out.tool_calls]
+
+
+TOOLS_A1 = ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+            '<|open|>argument key="a" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')
+
+# (name, output text after the generation prompt, parser options, reasoning, content, calls)
+MALFORMED = [
+    ("well formed", 'R<|close|>think<|sep|><|open|>response<|sep|>C<|close|>response<|sep|>' + TOOLS_A1
+     + '<|close|>message<|sep|><|end_of_msg|>', {}, "R", "C", [call("f", a=1)]),
+    ("missing think close, orphan response close, then tools",
+     'I will call f.<|close|>response<|sep|>' + TOOLS_A1 + '<|close|>message<|sep|>', {}, "I will call f.", "",
+     [call("f", a=1)]),
+    ("think close with <|sep|> elided before a response open",
+     'R<|close|>think<|open|>response<|sep|>C<|close|>response<|sep|>', {}, "R", "C", []),
+    ("think close with <|sep|> elided before text", 'R<|close|>thinkC and more', {}, "R", "C and more", []),
+    ("skipped think channel", '<|open|>response<|sep|>C<|close|>response<|sep|><|end_of_msg|>', {}, "", "C", []),
+    ("no think channel at all, thinking off", 'C<|close|>response<|sep|><|close|>message<|sep|>',
+     {"thinking": False}, "", "C", []),
+    ("reasoning ended by a tools open", 'R' + TOOLS_A1, {}, "R", "", [call("f", a=1)]),
+    ("reasoning ended by end_of_msg", 'R<|end_of_msg|>ignored', {}, "R", "", []),
+    ("cut mid-marker", 'R<|close|>think<|sep|><|open|>response<|sep|>Hello<|clo', {}, "R", "Hello", []),
+    ("cut inside a close tag name", 'R<|close|>thi', {}, "R", "", []),
+    ("cut inside an open header", 'R<|close|>think<|sep|><|open|>respo', {}, "R", "", []),
+    ("cut inside a call", 'R<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+     '<|open|>argument key="x" type="str', {}, "R", "", []),
+    ("tools channel when no tools were declared: markup dropped, text kept",
+     'R<|close|>think<|sep|><|open|>response<|sep|>C<|close|>response<|sep|><|open|>tools<|sep|>'
+     '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="string"<|sep|> v<|close|>argument<|sep|>'
+     '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>', {"tools_declared": False}, "R", "C v", []),
+    ("an unclosed call is dropped, not stretched over the next",
+     '<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="a" index="1"<|sep|>'
+     '<|open|>argument key="x" type="string"<|sep|>partial<|open|>call tool="b" index="2"<|sep|>'
+     '<|open|>argument key="y" type="number"<|sep|>2<|close|>argument<|sep|><|close|>call<|sep|>'
+     '<|open|>call tool="c" index="3"<|sep|><|close|>tools<|sep|>', {}, "", "", [call("b", y=2)]),
+    ("argument types: string raw, others JSON with a raw fallback",
+     '<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+     '<|open|>argument key="s" type="string"<|sep|>{"not": "parsed"}<|close|>argument<|sep|>'
+     '<|open|>argument key="o" type="object"<|sep|>{"k": [1, null]}<|close|>argument<|sep|>'
+     '<|open|>argument key="n" type="number"<|sep|>twelve<|close|>argument<|sep|>'
+     '<|open|>argument key="q&quot;" type="boolean"<|sep|>true<|close|>argument<|sep|><|close|>call<|sep|>'
+     '<|close|>tools<|sep|>', {}, "", "", [call("f", s='{"not": "parsed"}', o={"k": [1, None]}, n="twelve",
+                                                **{'q"': True})]),
+    ("raw JSON escape hatch", '<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+     '<|open|>json type="object"<|sep|>{oops<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', {},
+     "", "", None),
+    ("stray markup and text that only looks like a marker", 'a <| b <|sep|>c<|close|>nothing', {}, "a <| b cnothing",
+     "", []),
+]
+
+
+def stream(text, size, **options):
+    parser = OutputParser(**options)
+    deltas = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+    out = deltas[0]
+    for d in deltas[1:]:
+        out += d
+    return out, deltas
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=[c[0] for c in MALFORMED])
+@pytest.mark.parametrize("size", [None, 1, 3, 7])
+def test_malformed_output_shapes(case, size):
+    _, text, options, reasoning, content, calls = case
+    out = parse_output(text, **options) if size is None else stream(text, size, **options)[0]
+    assert (out.reasoning_content, out.content) == (reasoning, content)
+    if calls is None:
+        assert [c["function"]["arguments"] for c in out.tool_calls] == ["{oops"]
+    else:
+        assert calls_of(out) == calls
+    if size is not None:
+        for delta in stream(text, size, **options)[1]:
+            assert "<|open|>" not in delta.content + delta.reasoning_content
+            assert "<|close|>" not in delta.content + delta.reasoning_content
+
+
+def test_parse_ids_keeps_plain_bytes_that_spell_markers(tiktoken_k3):
+    tok = tiktoken_k3
+    segs = [("R", False), ("<|close|>", True), ("think", False), ("<|sep|>", True), ("<|open|>", True),
+            ("response", False), ("<|sep|>", True), ("x <|close|>response<|sep|> y", False), ("<|close|>", True),
+            ("response", False), ("<|sep|>", True), ("<|end_of_msg|>", True)]
+    out = parse_output_ids(tok, encode_segments(tok, segs))
+    assert (out.reasoning_content, out.content) == ("R", "x <|close|>response<|sep|> y")
+
+
+json_leaf = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False,
+                                                                                  allow_infinity=False)
+safe_text = st.text(st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), max_size=20)
+json_value = st.recursive(json_leaf | safe_text, lambda kids: st.lists(kids, max_size=3)
+                          | st.dictionaries(safe_text, kids, max_size=3), max_leaves=8)
+tool_call = st.builds(lambda name, args: {"name": name, "arguments": args},
+                      st.text("abcdefgh_.-", min_size=1, max_size=8), st.dictionaries(safe_text, json_value, max_size=4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(reasoning=safe_text, content=safe_text, calls=st.lists(tool_call, max_size=3), thinking=st.booleans(),
+       size=st.sampled_from([1, 3, 7, 1000]))
+def test_render_parse_round_trip(reasoning, content, calls, thinking, size):
+    message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None,
+               "tool_calls": [{"id": str(i), "type": "function",
+                               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                              for i, c in enumerate(calls)]}
+    text = text_of([message], thinking=thinking, add_generation_prompt=False)
+    prompt = GEN_THINK if thinking else GEN_RESPONSE
+    assert text.startswith(prompt)
+    out, _ = stream(text[len(prompt):], size, thinking=thinking)
+    assert out.reasoning_content == (reasoning if thinking else "")
+    assert out.content == content
+    assert calls_of(out) == calls
+
+
+# ------------------------------------------------------------------------------------------ openk3 render
+
+def test_render_command(tmp_path, capsys, tiktoken_k3):
+    from openk3.cli import main
+
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    main(["render", "--messages", str(conv), "--no-thinking"])
+    assert capsys.readouterr().out == USER + GEN_RESPONSE + "\n"
+    tiktoken_k3.save(tmp_path / "tok")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "f"}}]))
+    main(["render", "--messages", str(conv), "--tools", str(tools), "--effort", "max", "--json",
+          "--tokenizer", str(tmp_path / "tok"), "--no-generation-prompt"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].endswith(USER) and 'type="tool-declare"' in out["text"] and "thinking_effort=max" in out["text"]
+    assert "".join(t for t, _ in out["segments"]) == out["text"]
+    assert out["ids"] == encode_segments(tiktoken_k3, [tuple(s) for s in out["segments"]])
+
+    conv.write_text(json.dumps([{"role": "user", "content": "a"}, {"role": "user", "content": {"x": 1}}]))
+    with pytest.raises(SystemExit):
+        main(["render", "--messages", str(conv)])
+    assert "message 1: field 'content'" in capsys.readouterr().err
