@@ -360,6 +360,9 @@ class ParsedOutput:
         return self
 
 
+_LONGEST_MARKER = max(len(m) for m in XTML_MARKERS)
+
+
 class _Lexer:
     """Text chunks -> ("text", s) / ("marker", m) tokens. A chunk ending in a proper prefix of a marker holds that
     suffix back (at most 13 characters) until the next chunk decides it; so the work is linear in the input."""
@@ -385,8 +388,9 @@ class _Lexer:
                 out.append(("marker", marker))
                 start = search = j + len(marker)
                 continue
-            rest = buf[j:]
-            if any(m.startswith(rest) for m in XTML_MARKERS):
+            # NOTE: only a short tail can be a partial marker; slicing buf[j:] everywhere would be quadratic.
+            rest = buf[j:j + _LONGEST_MARKER]
+            if len(rest) < _LONGEST_MARKER and any(m.startswith(rest) for m in XTML_MARKERS):
                 if j > start:
                     out.append(("text", buf[start:j]))
                 # NOTE: output cut mid-marker (max_tokens): the partial marker is markup, not text.
