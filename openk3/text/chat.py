@@ -665,8 +665,7 @@ def cmd_render(args: argparse.Namespace) -> None:
 
         tokenizer = Tokenizer.from_path(args.tokenizer)
     fmt = chat_format_for(tokenizer) if tokenizer is not None else "xtml"
-    if fmt == "xtml":
-        options.update(thinking=not args.no_thinking, effort=args.effort)
+    options.update(thinking=not args.no_thinking, effort=args.effort)  # the K2 format rejects both
     segments = render(fmt, conv, add_generation_prompt=not args.no_generation_prompt, **options)
     text = segments_text(segments)
     if not args.json:

@@ -5,6 +5,7 @@ import base64
 import functools
 import itertools
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,18 @@ def test_long_runs_are_cut_before_bpe(tmp_path):
     assert tt.decode(tt.encode(text)) == text
     # pieces are encoded separately: an odd run of 25,001 "a"s is 12,500 "aa" + one "a" per 25,000 piece
     assert len(tt.encode("a" * 25_001)) == 12_500 + 1
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_only_tiktoken() -> TiktokenTokenizer:
+    path = Path(tempfile.mkdtemp()) / "tiktoken.model"
+    return load_tiktoken(write_tiktoken_file(path, [bytes([b]) for b in range(256)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2**40, 2**40) | st.integers(0, 600), max_size=50))
+def test_decode_never_raises(ids):
+    tt = bytes_only_tiktoken()
+    text = tt.decode(ids)
+    assert text.count("\ufffd") >= sum(not 0 <= i < tt.vocab_size for i in ids)
+    assert isinstance(small_bpe().decode(ids), str)
