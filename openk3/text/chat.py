@@ -234,6 +234,10 @@ def _response_format(rf) -> list[Segment]:
     return _message({"role": "system", "type": "response-format"}, _text(body.strip()))
 
 
+def _list(value) -> list:
+    return value if isinstance(value, list) else []  # a non-list tool_calls is reported by _tool_calls
+
+
 def _ordered(messages: list) -> list[tuple[int, dict]]:
     """(index, message) pairs with each run of tool messages re-ordered into the preceding assistant's tool_calls
     order by tool_call_id; every message is checked to be a dict with a known role."""
@@ -247,7 +251,7 @@ def _ordered(messages: list) -> list[tuple[int, dict]]:
             raise ValueError(f"message {i}: unknown role {role!r}; expected one of {list(ROLES)}")
         if role != "tool":
             if role == "assistant":
-                calls = {c.get("id"): n for n, c in enumerate(m.get("tool_calls") or []) if isinstance(c, dict)}
+                calls = {c.get("id"): n for n, c in enumerate(_list(m.get("tool_calls"))) if isinstance(c, dict)}
             out.append((i, m))
             i += 1
             continue
@@ -299,7 +303,7 @@ def _conversation(messages: list, thinking: bool) -> list[Segment]:
             segs += _tool_result(m, f"message {i}", ids[m["tool_call_id"]]["function"]["name"], n)
             continue
         if m["role"] == "assistant":
-            calls, n = [c for c in (m.get("tool_calls") or []) if isinstance(c, dict)], 0
+            calls, n = [c for c in _list(m.get("tool_calls")) if isinstance(c, dict)], 0
         segs += _render_message(i, m, thinking)
     return segs
 

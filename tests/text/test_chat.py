@@ -132,6 +132,9 @@ def test_images_become_the_media_prompt():
       {"role": "tool", "tool_call_id": "zz", "content": "r"}], "message 1: field 'tool_call_id' 'zz'"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}], r"message 0: tool_calls\[0\]"),
     ([{"role": "user", "content": "x", "colour": 1}], "message 0: unknown field 'colour'"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": 3}],
+     "message 1: field 'tool_calls' must be a list"),
+    ([{"role": "tool", "tool_call_id": "a", "content": "r"}], "message 0: field 'tool_call_id' 'a'"),
 ])
 def test_malformed_messages_name_the_index(messages, match):
     with pytest.raises(ValueError, match=match):
