@@ -9,8 +9,15 @@ files in `dir` to decide which kind it holds:
 
 Special tokens use Kimi's names and layout. In the release vocabulary the 256 ids after the BPE
 ranks (163584..163839 for K3) are reserved for special tokens; the named ones sit at fixed offsets
-in that block (table below, from Kimi K2's `tokenizer_config.json` `added_tokens_decoder`) and the
-rest are called `<|reserved_token_{id}|>`, as in Kimi's `tokenization_kimi.py`.
+in that block and the rest are called `<|reserved_token_{id}|>`, as in Kimi's `tokenization_kimi.py`.
+A bare `tiktoken.model` gets K3's names (K3_SPEC.md section 9: `<|end_of_msg|>`, `<|open|>`,
+`<|close|>`, `<|sep|>`, ...); a `tokenizer_config.json` beside it (Kimi K2, Kimi-Linear) supplies
+its own names, e.g. K2's `<|im_end|>` at the same offset. `openk3.text.chat.chat_format_for` picks
+the chat encoding from whichever names a tokenizer has.
+
+Encoding follows Kimi's `tokenization_kimi.py`: text is cut into windows of at most 400,000
+characters, each window so that no run of whitespace or of non-whitespace exceeds 25,000
+characters, and only then split by the pre-tokenizer regex and merged.
 
 Special-token strings that occur inside ordinary text (a Python file that mentions "[EOS]", say)
 are encoded as plain text unless `allow_special=True`: a corpus can never inject a control token.
@@ -20,11 +27,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import regex
 import tiktoken
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -32,8 +41,9 @@ from tokenizers import Tokenizer as HFTokenizer
 # Kimi's pre-tokenization regex, `TikTokenTokenizer.pat_str` in Kimi-K2's tokenization_kimi.py:
 # CJK runs (\p{Han}) are pieces of their own, words keep one leading non-letter (the space),
 # numbers split into groups of at most 3 digits, punctuation runs absorb trailing newlines.
-# NOTE: `[A&&[^B]]` is class intersection. tiktoken's Rust regex engine and the Oniguruma engine
-# inside HF `tokenizers` both accept it; Python's `re` does not, so never compile it with `re`.
+# NOTE: `[A&&[^B]]` is class intersection and `\s+(?!\S)` a look-ahead. tiktoken's Rust regex
+# engine (fancy-regex) and the Oniguruma engine inside HF `tokenizers` accept both; Python's `re`
+# has no class intersection, so the Python reference (`pre_tokenize`) uses the `regex` module in V1 mode.
 KIMI_PAT_STR = "|".join(
     [
         r"""[\p{Han}]+""",
@@ -47,10 +57,63 @@ KIMI_PAT_STR = "|".join(
     ]
 )
 
+_PRE_TOKENIZER = regex.compile(KIMI_PAT_STR, regex.V1)
+
+# Kimi's `TikTokenTokenizer.encode` limits (tokenization_kimi.py): tiktoken's merge loop is slow
+# on one huge piece, so text is windowed and very long runs are cut before BPE.
+MAX_ENCODE_CHARS = 400_000
+MAX_NO_WHITESPACES_CHARS = 25_000
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_NO_WHITESPACES_CHARS + 1, MAX_NO_WHITESPACES_CHARS + 1))
+
+
+def pre_tokenize(text: str) -> list[str]:
+    """The pieces Kimi's regex cuts `text` into (the Python reference for what tiktoken does inside)."""
+    return _PRE_TOKENIZER.findall(text)
+
+
+def split_for_encoding(text: str) -> list[str]:
+    """`text` cut as Kimi's tokenizer cuts it before BPE: windows of at most 400,000 characters,
+    then no run of whitespace or of non-whitespace longer than 25,000 characters (a longer run is
+    cut every 25,000 characters, counted from the start of the run within its window).
+    The pieces join back to `text`."""
+    pieces = []
+    for w in range(0, max(len(text), 1), MAX_ENCODE_CHARS):
+        window = text[w:w + MAX_ENCODE_CHARS]
+        start = 0
+        for run in _LONG_RUN.finditer(window):
+            for cut in range(run.start() + MAX_NO_WHITESPACES_CHARS, run.end(), MAX_NO_WHITESPACES_CHARS):
+                pieces.append(window[start:cut])
+                start = cut
+        pieces.append(window[start:])
+    return pieces
+
+
 NUM_RESERVED_SPECIAL_TOKENS = 256
 
-# Offset of each named special token inside the reserved block (Kimi K2: [BOS] = 163584 + 0).
-KIMI_SPECIAL_TOKEN_OFFSETS: dict[str, int] = {
+# Offset of each named special token inside the reserved block of the K3 release
+# (K3_SPEC.md section 9: [BOS] = 163584 + 0, <|end_of_msg|> = 163586, <osagent_mode> = 163649).
+K3_SPECIAL_TOKEN_OFFSETS: dict[str, int] = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|end_of_msg|>": 2,
+    "<|open|>": 3,
+    "<|close|>": 4,
+    "<|sep|>": 5,
+    "[start_header_id]": 6,
+    "[end_header_id]": 7,
+    "[EOT]": 9,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "<osagent_mode>": 65,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+
+# The same block in Kimi K2's naming (its `tokenizer_config.json` `added_tokens_decoder`); K2 and
+# Kimi-Linear releases ship that file, so these names come in through `_special_names_from_config`.
+K2_SPECIAL_TOKEN_OFFSETS: dict[str, int] = {
     "[BOS]": 0,
     "[EOS]": 1,
     "<|im_end|>": 2,
@@ -76,12 +139,14 @@ KIMI_SPECIAL_TOKEN_OFFSETS: dict[str, int] = {
     "[PAD]": 255,
 }
 # K3 release ids: bos 163584, eos 163586, pad 163839 (K3_SPEC.md section 6).
-# NOTE: the release eos is the end-of-message token at offset 2 (`<|im_end|>` in K2's naming),
+# NOTE: the release eos is the end-of-message token at offset 2 (`<|end_of_msg|>`; `<|im_end|>` in K2's naming),
 # not `[EOS]` at offset 1: generation stops at the end of an assistant turn.
 TIKTOKEN_BOS_OFFSET, TIKTOKEN_EOS_OFFSET, TIKTOKEN_PAD_OFFSET = 0, 2, 255
 
-# The special tokens a trained BPE reserves: the chat roles, thinking and tool-call markers.
-# They take ids 0..14 (the HF trainer puts special tokens first).
+# The special tokens a trained BPE reserves: K2's chat roles, thinking and tool-call markers (ids
+# 0..14, what the server's K2 template uses today), then every named K3 token not already there
+# (ids 15..27), so the XTML chat code in openk3.text.chat serves small models and the release alike.
+# The HF trainer puts special tokens first.
 BPE_SPECIAL_TOKENS: list[str] = [
     "[BOS]",
     "[EOS]",
@@ -98,6 +163,7 @@ BPE_SPECIAL_TOKENS: list[str] = [
     "<|tool_call_begin|>",
     "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
+    *[name for name in K3_SPECIAL_TOKEN_OFFSETS if name not in ("[BOS]", "[EOS]", "[PAD]")],
 ]
 BPE_BOS, BPE_EOS, BPE_PAD = "[BOS]", "[EOS]", "[PAD]"
 
@@ -146,12 +212,25 @@ class Tokenizer(ABC):
         return self.encode_batch([text], allow_special=allow_special)[0]
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        """ids -> text. Byte sequences that are not valid UTF-8 decode to U+FFFD."""
+        """ids -> text; never raises. Byte sequences that are not valid UTF-8 decode to U+FFFD, and
+        so does each id outside [0, vocab_size) (a model whose embedding is larger than its
+        tokenizer can sample one; the text around it still decodes)."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}")
-        return self._decode_checked(ids, skip_special)
+        n = self.vocab_size
+        if all(0 <= i < n for i in ids):
+            return self._decode_checked(ids, skip_special)
+        parts, run = [], []
+        for i in ids:
+            if 0 <= i < n:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self._decode_checked(run, skip_special))
+                run = []
+            parts.append("\ufffd")
+        if run:
+            parts.append(self._decode_checked(run, skip_special))
+        return "".join(parts)
 
     def token_id(self, special_token: str) -> int:
         """The id of a special token, by its string (e.g. "<|im_end|>")."""
@@ -233,7 +312,7 @@ class BPETokenizer(Tokenizer):
 def train_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2) -> BPETokenizer:
     """Train a byte-level BPE on `texts` with `vocab_size` ids in total.
 
-    The vocabulary is the 15 `BPE_SPECIAL_TOKENS` (ids 0..14), all 256 bytes, then merges.
+    The vocabulary is the 28 `BPE_SPECIAL_TOKENS` (ids 0..27), all 256 bytes, then merges.
     Pairs seen fewer than `min_frequency` times are never merged, so a small corpus may end with
     fewer ids than asked for. Deterministic: the same texts in the same order give the same
     tokenizer. A few MB of text trains in seconds on 2 cores.
@@ -303,9 +382,18 @@ class TiktokenTokenizer(Tokenizer):
         return self._encoding.n_vocab
 
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
+        texts = list(texts)
+        pieces = [split_for_encoding(t) if len(t) > MAX_NO_WHITESPACES_CHARS else [t] for t in texts]
+        flat = [p for ps in pieces for p in ps]
         if allow_special:
-            return self._encoding.encode_batch(list(texts), allowed_special="all")
-        return self._encoding.encode_ordinary_batch(list(texts))
+            encoded = self._encoding.encode_batch(flat, allowed_special="all")
+        else:
+            encoded = self._encoding.encode_ordinary_batch(flat)
+        out, k = [], 0
+        for ps in pieces:
+            out.append([i for e in encoded[k:k + len(ps)] for i in e])
+            k += len(ps)
+        return out
 
     def _decode_checked(self, ids: list[int], skip_special: bool) -> str:
         if skip_special:
@@ -365,14 +453,14 @@ def load_tiktoken(path: str | Path, special_names: Mapping[int, str] | None = No
 
     Special ids are [n, n + 256) where n is the number of BPE ranks (163584 for K3).
     `special_names` maps some of those ids to names (a release's `tokenizer_config.json`
-    `added_tokens_decoder`); by default the Kimi K2 names at their offsets. The remaining ids
+    `added_tokens_decoder`, e.g. Kimi K2's); by default the K3 names at their offsets. The remaining ids
     are `<|reserved_token_{id}|>`. bos/eos/pad are the ids at offsets 0/2/255.
     """
     ranks = read_tiktoken_ranks(path)
     first = len(ranks)
     block = range(first, first + NUM_RESERVED_SPECIAL_TOKENS)
     if special_names is None:
-        special_names = {first + offset: name for name, offset in KIMI_SPECIAL_TOKEN_OFFSETS.items()}
+        special_names = {first + offset: name for name, offset in K3_SPECIAL_TOKEN_OFFSETS.items()}
     outside = [i for i in special_names if i not in block]
     if outside:
         raise ValueError(f"special token id {outside[0]} ({special_names[outside[0]]!r}) is outside "

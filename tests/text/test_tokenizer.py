@@ -5,14 +5,16 @@ import base64
 import functools
 import itertools
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openk3.text.tokenizer import (BPE_SPECIAL_TOKENS, KIMI_SPECIAL_TOKEN_OFFSETS, BPETokenizer, TiktokenTokenizer,
-                                   Tokenizer, get_or_train_tokenizer, load_tiktoken, train_bpe)
+from openk3.text.tokenizer import (BPE_SPECIAL_TOKENS, K2_SPECIAL_TOKEN_OFFSETS, K3_SPECIAL_TOKEN_OFFSETS, BPETokenizer,
+                                   TiktokenTokenizer, Tokenizer, get_or_train_tokenizer, load_tiktoken, pre_tokenize,
+                                   split_for_encoding, train_bpe)
 from openk3.train.data import load_corpus
 
 TRICKY_TEXTS = [
@@ -111,8 +113,8 @@ def test_bpe_errors():
     with pytest.raises(ValueError, match="vocab_size=100"):
         train_bpe(["abc"], vocab_size=100)
     tok = small_bpe()
-    with pytest.raises(ValueError, match="token id 1000 "):
-        tok.decode([5, 1000])
+    # decode never raises: an id past the vocabulary (a model with a padded embedding can sample one) is U+FFFD.
+    assert tok.decode([tok.encode("a")[0], 1000, -3, tok.encode("b")[0]]) == "a\ufffd\ufffdb"
     with pytest.raises(KeyError, match="<nope>"):
         tok.token_id("<nope>")
 
@@ -184,14 +186,14 @@ def test_tiktoken_special_token_block(tmp_path):
     first = len(tokens)
     assert tt.vocab_size == first + 256
     assert (tt.bos_id, tt.eos_id, tt.pad_id) == (first, first + 2, first + 255)
-    for name, offset in KIMI_SPECIAL_TOKEN_OFFSETS.items():
+    for name, offset in K3_SPECIAL_TOKEN_OFFSETS.items():
         assert tt.token_id(name) == first + offset
         assert tt.encode(name, allow_special=True) == [first + offset]
         assert tt.decode([first + offset]) == name
-    assert tt.token_id(f"<|reserved_token_{first + 5}|>") == first + 5
+    assert tt.token_id(f"<|reserved_token_{first + 8}|>") == first + 8
     assert len(tt.special_tokens) == 256
     assert tt.encode(" def abc") == [first - 1, 32, first - 6]
-    assert tt.encode("<|im_end|>") != [tt.eos_id]
+    assert tt.encode("<|end_of_msg|>") != [tt.eos_id]
     for text in TRICKY_TEXTS:
         assert tt.decode(tt.encode(text)) == text
         assert tt.decode(tt.encode(text, allow_special=True)) == text
@@ -205,19 +207,30 @@ def test_tiktoken_k3_ids_and_save_load(tmp_path):
     tokens = singles + pairs + list(itertools.islice(triples, 163584 - len(singles) - len(pairs)))
     tt = load_tiktoken(write_tiktoken_file(tmp_path / "tiktoken.model", tokens))
     assert (tt.bos_id, tt.eos_id, tt.pad_id, tt.vocab_size) == (163584, 163586, 163839, 163840)
-    assert tt.token_id("<|im_end|>") == 163586 and tt.token_id("[PAD]") == 163839
+    # K3_SPEC.md section 9: the named ids of the release, every other reserved id <|reserved_token_{id}|>.
+    spec = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|end_of_msg|>", 163587: "<|open|>", 163588: "<|close|>",
+            163589: "<|sep|>", 163590: "[start_header_id]", 163591: "[end_header_id]", 163593: "[EOT]",
+            163602: "<|media_begin|>", 163603: "<|media_content|>", 163604: "<|media_end|>", 163605: "<|media_pad|>",
+            163649: "<osagent_mode>", 163838: "[UNK]", 163839: "[PAD]"}
+    by_id = {i: s for s, i in tt.special_tokens.items()}
+    assert sorted(by_id) == list(range(163584, 163840))
+    for i in range(163584, 163840):
+        assert by_id[i] == spec.get(i, f"<|reserved_token_{i}|>")
+    assert tt.decode(list(range(163580, 163840))) is not None  # every id decodes
 
     saved = tmp_path / "saved"
     tt.save(saved)
     config = json.loads((saved / "tokenizer_config.json").read_text())
-    assert config["added_tokens_decoder"]["163586"]["content"] == "<|im_end|>"
+    assert config["added_tokens_decoder"]["163586"]["content"] == "<|end_of_msg|>"
     assert "163600" not in config["added_tokens_decoder"]  # reserved names are implied
-    # A release's own names win over the K2 defaults.
-    config["added_tokens_decoder"]["163586"]["content"] = "<|end_of_msg|>"
+    # A release's own names win over the defaults: a K2-style config names the same ids K2's way.
+    config["added_tokens_decoder"] = {str(163584 + o): {"content": n, "special": True}
+                                      for n, o in K2_SPECIAL_TOKEN_OFFSETS.items()}
     (saved / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = Tokenizer.load(saved)
     assert isinstance(loaded, TiktokenTokenizer)
-    assert loaded.eos_id == 163586 and loaded.token_id("<|end_of_msg|>") == 163586
+    assert loaded.eos_id == 163586 and loaded.token_id("<|im_end|>") == 163586
+    assert loaded.token_id("<think>") == 163584 + 22 and "<|open|>" not in loaded.special_tokens
     text = "K3 tokenizer: héllo 世界 \t\t  x"
     assert loaded.encode(text) == tt.encode(text)
 
@@ -239,3 +252,45 @@ def test_tiktoken_file_errors(tmp_path):
     tokens = [bytes([b]) for b in range(256)]
     with pytest.raises(ValueError, match="outside the reserved block"):
         load_tiktoken(write_tiktoken_file(tmp_path / "d.model", tokens), {10: "[BOS]"})
+
+
+def test_pre_tokenizer_regex_is_the_one_tiktoken_runs(tmp_path):
+    """The `regex`-module reference of Kimi's pattern (class intersection, look-ahead) cuts text into the
+    pieces tiktoken merges within: encoding piece by piece equals encoding the whole."""
+    tt = load_tiktoken(write_tiktoken_file(tmp_path / "tiktoken.model", bpe_as_tiktoken_tokens(small_bpe())))
+    for text in TRICKY_TEXTS + ["I'M here, they'LL see 中文abc Ünï  \n\n  x 12345 ... !!\n"]:
+        pieces = pre_tokenize(text)
+        assert "".join(pieces) == text
+        assert [i for p in pieces for i in tt.encode(p)] == tt.encode(text)
+    assert pre_tokenize("中文abc") == ["中文", "abc"]  # Han is its own piece (the intersection excludes it)
+    assert pre_tokenize("a   b") == ["a", "  ", " b"]  # \s+(?!\S) leaves the last space to the word
+    assert pre_tokenize("12345") == ["123", "45"]
+
+
+def test_long_runs_are_cut_before_bpe(tmp_path):
+    tt = load_tiktoken(write_tiktoken_file(tmp_path / "tiktoken.model", [bytes([b]) for b in range(256)] + [b"aa"]))
+    assert split_for_encoding("short") == ["short"]
+    text = "b " + "a" * 60_001 + " " * 30_000 + "c"
+    pieces = split_for_encoding(text)
+    assert "".join(pieces) == text
+    assert [len(p) for p in pieces] == [2 + 25_000, 25_000, 10_001 + 25_000, 5_001]
+    window = "x" * 400_000 + "y"
+    assert [len(p) for p in split_for_encoding(window)][-1] == 1  # the 400,000-character window ends a piece
+    assert tt.decode(tt.encode(text)) == text
+    # pieces are encoded separately: an odd run of 25,001 "a"s is 12,500 "aa" + one "a" per 25,000 piece
+    assert len(tt.encode("a" * 25_001)) == 12_500 + 1
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_only_tiktoken() -> TiktokenTokenizer:
+    path = Path(tempfile.mkdtemp()) / "tiktoken.model"
+    return load_tiktoken(write_tiktoken_file(path, [bytes([b]) for b in range(256)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2**40, 2**40) | st.integers(0, 600), max_size=50))
+def test_decode_never_raises(ids):
+    tt = bytes_only_tiktoken()
+    text = tt.decode(ids)
+    assert text.count("\ufffd") >= sum(not 0 <= i < tt.vocab_size for i in ids)
+    assert isinstance(small_bpe().decode(ids), str)
