@@ -51,8 +51,9 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
@@ -77,6 +78,38 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (`error_body`), for the OpenAPI document."""
+    error: _ErrorDetail
+
+
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for status, description in [
+    (400, "Invalid request: a body that does not validate, or a prompt too long for the context"),
+    (401, "Missing or wrong API key (when the server has one)"),
+    (404, "Unknown model")]}
+
+
+def openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document, less the 422 it adds to every route with a body: a validation error is a 400
+    here, with OpenAI's error body (the RequestValidationError handler in `create_app`)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in doc["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 # ------------------------------------------------------------------------------------------ the chat template
@@ -230,8 +263,9 @@ class TextDiff:
 
 class _Body(BaseModel):
     # NOTE: unknown fields are errors (400 naming the field), so a parameter we do not implement (logprobs,
-    # presence_penalty, ...) is refused instead of silently ignored.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # presence_penalty, ...) is refused instead of silently ignored. Strict, as OpenAI: a JSON `true` is no integer
+    # (lax pydantic reads it as 1) and "yes" no boolean; ints are still floats.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -309,7 +343,21 @@ class FunctionDef(_Body):
     parameters: dict | None = None
     strict: bool | None = None
 
-    _parameters_unicode = field_validator("parameters")(_unicode_only)
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, parameters: dict | None) -> dict | None:
+        """A JSON Schema of type "object" ({} = no parameters), the form K2 was trained on; only its shape is checked."""
+        _unicode_only(parameters)
+        if not parameters:
+            return parameters
+        if parameters.get("type") != "object":
+            raise ValueError(f'must be a JSON Schema of "type": "object", not "type": {parameters.get("type")!r}')
+        if not isinstance(parameters.get("properties", {}), dict):
+            raise ValueError('"properties" must be an object mapping each parameter to its schema')
+        required = parameters.get("required", [])
+        if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise ValueError('"required" must be a list of parameter names')
+        return parameters
 
 
 class ToolDef(_Body):
@@ -334,6 +382,14 @@ class _Generate(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # a field validator (not a model one), so that the 400 names stream_options; `stream` is declared before it
+        if options is not None and info.data.get("stream") is not True:
+            raise ValueError("only allowed when stream is true")
+        return options
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -563,6 +619,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         app.state.loop.stop()
 
     app = FastAPI(title="openk3", lifespan=lifespan)
+    app.openapi = lambda: openapi_without_422(app)
     app.state.metrics = metrics
 
     def send_error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -711,7 +768,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "openk3"}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Response:
         check_model(body.model)
         tools = None
@@ -772,7 +829,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 
         return StreamingResponse(sse(events()), media_type="text/event-stream")
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_model(body.model)
         # a text prompt starts after [BOS] (as `openk3 generate`); a list of ids is taken as it is
@@ -806,8 +863,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                 if new:
                     yield "data: " + json.dumps(body_of(new, None, False)) + "\n\n"
             metrics.finished("completions", req)
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            yield "data: " + json.dumps(body_of("", req.finish_reason, include_usage)) + "\n\n"
+            yield "data: " + json.dumps(body_of("", req.finish_reason, False)) + "\n\n"
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield "data: " + json.dumps(dict(body_of("", None, True), choices=[])) + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(events()), media_type="text/event-stream")
