@@ -354,8 +354,9 @@ class _Generate(_Body):
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        # a field validator (not a model one), so that the 400 names stream_options; `stream` is declared before it
-        if options is not None and info.data.get("stream") is not True:
+        # a field validator (not a model one), so that the 400 names stream_options; `stream` is declared before it.
+        # NOTE: a `stream` that failed validation is not in info.data; its own error is the one to report
+        if options is not None and "stream" in info.data and info.data["stream"] is not True:
             raise ValueError("only allowed when stream is true")
         return options
 

@@ -325,14 +325,15 @@ def test_types_are_strict_as_in_openai(server):
         ("temperature", True), ("top_p", True), ("max_tokens", "2"), ("stream", "yes"), ("stream", 1),
         ("parallel_tool_calls", "yes")]]
     cases += [(dict(cmpl_ok, prompt=[1, True]), "prompt"), (dict(cmpl_ok, stream="true"), "stream"),
-              (dict(cmpl_ok, stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage")]
+              (dict(cmpl_ok, stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+              (dict(cmpl_ok, stream="yes", stream_options={"include_usage": True}), "stream")]
     with httpx.Client(timeout=TIMEOUT) as http:
         for body, field in cases:
             path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             r = http.post(server.url + path, json=body)
             assert r.status_code == 400, (body, r.text)
             err = r.json()["error"]
-            assert err["param"].startswith(field) and field in err["message"], (body, err)
+            assert err["param"] == field and field in err["message"], (body, err)
 
 
 def test_stream_options_need_stream_true(server):
