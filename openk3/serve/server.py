@@ -51,8 +51,9 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
@@ -230,8 +231,9 @@ class TextDiff:
 
 class _Body(BaseModel):
     # NOTE: unknown fields are errors (400 naming the field), so a parameter we do not implement (logprobs,
-    # presence_penalty, ...) is refused instead of silently ignored.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # presence_penalty, ...) is refused instead of silently ignored. Strict, as OpenAI: a JSON `true` is no integer
+    # (lax pydantic reads it as 1) and "yes" no boolean; ints are still floats.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -309,7 +311,21 @@ class FunctionDef(_Body):
     parameters: dict | None = None
     strict: bool | None = None
 
-    _parameters_unicode = field_validator("parameters")(_unicode_only)
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, parameters: dict | None) -> dict | None:
+        """A JSON Schema of type "object" ({} = no parameters), the form K2 was trained on; only its shape is checked."""
+        _unicode_only(parameters)
+        if not parameters:
+            return parameters
+        if parameters.get("type") != "object":
+            raise ValueError(f'must be a JSON Schema of "type": "object", not "type": {parameters.get("type")!r}')
+        if not isinstance(parameters.get("properties", {}), dict):
+            raise ValueError('"properties" must be an object mapping each parameter to its schema')
+        required = parameters.get("required", [])
+        if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise ValueError('"required" must be a list of parameter names')
+        return parameters
 
 
 class ToolDef(_Body):
@@ -334,6 +350,15 @@ class _Generate(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # a field validator (not a model one), so that the 400 names stream_options; `stream` is declared before it.
+        # NOTE: a `stream` that failed validation is not in info.data; its own error is the one to report
+        if options is not None and "stream" in info.data and info.data["stream"] is not True:
+            raise ValueError("only allowed when stream is true")
+        return options
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -498,7 +523,7 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------------ the app
+# ------------------------------------------------------------------------------------------ the body size limit
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: a prompt far longer than any context, still tokenised in seconds
 
@@ -539,6 +564,318 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+# ------------------------------------------------------------------------------------------ error responses
+
+def send_error(metrics: Metrics, status: int, message: str, param: str | None = None, code: str | None = None,
+               type: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error body with `status`, counted in the metrics."""
+    metrics.errors[status] += 1
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def validation_error(metrics: Metrics, e: RequestValidationError) -> JSONResponse:
+    """A body that does not validate: 400 naming the first offending field by its path ("messages.0.content")."""
+    errors = e.errors()
+    # NOTE: a value in a union field gets one error per member, each ending in the member's tag ("str",
+    # "list[TextPart]"); our own checks (value_error) say more than "not a str", and the tags are no field
+    err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and p not in _UNION_TAGS and "[" not in str(p)]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return send_error(metrics, 400, f"the body is not valid JSON: {err.get('msg')} (at {param})", None,
+                          "invalid_json")
+    return send_error(metrics, 400, f"{param or 'body'}: {err.get('msg')}", param, err.get("type"))
+
+
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error leaves as OpenAI's error body: ours (APIError), invalid bodies, unknown routes, and bugs (500)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
+        return send_error(metrics, e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+        return validation_error(metrics, e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        return send_error(metrics, e.status_code, str(e.detail), None, None)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: HTTPRequest, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return send_error(metrics, 500, f"internal error: {e!r}", None, None, "server_error")
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (`error_body`), for the OpenAPI document."""
+    error: _ErrorDetail
+
+
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for status, description in [
+    (400, "Invalid request: a body that does not validate, or a prompt too long for the context"),
+    (401, "Missing or wrong API key (when the server has one)"),
+    (404, "Unknown model")]}
+
+
+def openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document, less the 422 it adds to every route with a body: a validation error is a 400
+    here, with OpenAI's error body (the RequestValidationError handler in `create_app`)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in doc["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def bearer_auth(api_key: str | None):
+    """A FastAPI dependency: with `api_key`, the request needs `Authorization: Bearer <api_key>` (else a 401)."""
+
+    def authorize(request: HTTPRequest) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           type="authentication_error")
+
+    return authorize
+
+
+# ------------------------------------------------------------------------------------------ one request's outputs
+
+async def disconnected(request: HTTPRequest) -> None:
+    """Returns when the client has gone. NOTE: the body has been read, so the next ASGI message is the
+    disconnect; waiting on it costs nothing (polling `is_disconnected` between tokens would need a timeout)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def outputs(request: HTTPRequest, req: Request, queue: asyncio.Queue, watch_disconnect: bool):
+    """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves, while
+    waiting for every output (a streaming response is cancelled by Starlette when its client goes); either
+    way the engine cancels the request at its next step."""
+    done = False
+    gone = asyncio.create_task(disconnected(request)) if watch_disconnect else None
+    try:
+        while True:
+            if gone is None:
+                out = await queue.get()
+            elif queue.empty():
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    return
+                out = get.result()
+            else:
+                out = queue.get_nowait()
+            if isinstance(out, BaseException):
+                raise APIError(500, f"the engine failed: {out!r}", type="server_error")
+            if out.finish_reason == "error":  # this request failed alone; the engine serves on
+                done = True
+                log.error("request %s failed: %s", req.id, req.error)
+                raise APIError(500, f"generation failed: {req.error}", code="generation_failed",
+                               type="server_error")
+            yield out
+            if out.finish_reason is not None:
+                done = True
+                return
+    finally:
+        if gone is not None:
+            gone.cancel()
+        if not done:
+            request.app.state.loop.cancel(req.id)
+
+
+def visible(out: StepOutput) -> list[int]:
+    """The output's ids less the stop token that ended it (which the client never sees)."""
+    return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+
+
+def usage(req: Request) -> dict:
+    return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
+            "total_tokens": len(req.prompt) + len(req.output),
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+
+
+def event(data: dict) -> str:
+    """One server-sent event."""
+    return "data: " + json.dumps(data) + "\n\n"
+
+
+async def sse(events, metrics: Metrics):
+    """Server-sent events, ending in an error event if generation fails once the stream has begun (the status
+    line has gone out by then), as OpenAI's streams do."""
+    try:
+        async for item in events:
+            yield item
+    except APIError as e:
+        metrics.errors[e.status] += 1
+        yield event(error_body(e.message, e.type, e.param, e.code))
+
+
+# ------------------------------------------------------------------------------------------ the generation routes
+
+class Generation:
+    """What the two generation routes share: the served model's name, tokenizer and context, the metrics; checks a
+    request against them and submits it to the engine loop."""
+
+    def __init__(self, tokenizer, model_name: str, max_context: int, metrics: Metrics):
+        self.tokenizer, self.model_name, self.max_context, self.metrics = tokenizer, model_name, max_context, metrics
+        self.end_of_text = (tokenizer.eos_id,)
+        self.chat_stops = chat_stop_ids(tokenizer)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+
+    def sampling(self, body: _Generate, n_prompt: int, stops: tuple[int, ...], param: str) -> SamplingParams:
+        max_context = self.max_context
+        room = max_context - n_prompt
+        if room < 1:
+            raise APIError(400, f"the prompt has {n_prompt} tokens; the context holds {max_context}, leaving no room "
+                                f"to generate", param, "context_length_exceeded")
+        requested = body.requested_max_tokens
+        if requested is not None and requested > room:
+            raise APIError(400, f"max_tokens={requested} + the prompt's {n_prompt} tokens exceed the context of "
+                                f"{max_context} tokens (at most {room} can be generated)", "max_tokens",
+                           "context_length_exceeded")
+        return SamplingParams(max_tokens=requested or min(room, DEFAULT_MAX_TOKENS), temperature=body.temperature,
+                              top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop_token_ids=stops)
+
+    @staticmethod
+    def submit(request: HTTPRequest, prompt: list[int], params: SamplingParams, salt: str | None,
+               param: str) -> tuple[Request, asyncio.Queue]:
+        try:  # NOTE: the engine validates what only it knows (vocabulary, page pool); its ValueError is the client's
+            return request.app.state.loop.submit(prompt, params, salt)
+        except ValueError as e:
+            raise APIError(400, str(e), param, "invalid_prompt") from None
+
+
+def chat_finish(req: Request, parser: OutputParser) -> str:
+    return "tool_calls" if req.finish_reason == "stop" and parser.tool_calls else req.finish_reason
+
+
+async def chat_completion(gen: Generation, body: ChatRequest, request: HTTPRequest) -> Response:
+    """POST /v1/chat/completions: the conversation through the chat template, the output parsed back into
+    reasoning, content and tool calls; one JSON body, or chunks of differences as server-sent events."""
+    gen.check_model(body.model)
+    tokenizer, model_name, metrics = gen.tokenizer, gen.model_name, gen.metrics
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    # NOTE: rendering and tokenising a long conversation takes seconds: off the event loop, so that every other
+    # client (and /health) is answered meanwhile
+    prompt = await run_in_threadpool(encode_conversation, tokenizer,
+                                     [m.model_dump(exclude_none=True) for m in body.messages], tools)
+    params = gen.sampling(body, len(prompt), gen.chat_stops, "messages")
+    req, queue = gen.submit(request, prompt, params, body.cache_salt, "messages")
+    rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
+    parser = OutputParser(tokenizer)
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    if not body.stream:
+        async for out in outputs(request, req, queue, watch_disconnect=True):
+            parser.feed(visible(out))
+        if not req.finished:  # the client left
+            return Response(status_code=499)
+        metrics.finished("chat", req)
+        message = {"role": "assistant", "content": parser.content}
+        if parser.reasoning is not None:
+            message["reasoning_content"] = parser.reasoning
+        if parser.tool_calls:
+            message["tool_calls"] = parser.tool_calls
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                             "choices": [{"index": 0, "message": message, "logprobs": None,
+                                          "finish_reason": chat_finish(req, parser)}],
+                             "usage": usage(req)})
+
+    async def events():
+        reasoning_diff, content_diff = TextDiff(), TextDiff()
+        yield chunk({"role": "assistant", "content": ""})
+        async for out in outputs(request, req, queue, watch_disconnect=False):
+            parser.feed(visible(out))
+            final = out.finish_reason is not None
+            delta = {}
+            if parser.reasoning is not None and (new := reasoning_diff.update(parser.reasoning, final)):
+                delta["reasoning_content"] = new
+            if new := content_diff.update(parser.content, final):
+                delta["content"] = new
+            if delta:
+                yield chunk(delta)
+        metrics.finished("chat", req)
+        calls = parser.tool_calls
+        yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]} if calls else {},
+                    chat_finish(req, parser))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                         "choices": [], "usage": usage(req)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(events(), metrics), media_type="text/event-stream")
+
+
+async def completion(gen: Generation, body: CompletionRequest, request: HTTPRequest) -> Response:
+    """POST /v1/completions: a text prompt (after [BOS], as `openk3 generate`) or a list of ids taken as it is;
+    the decoded text as one JSON body, or its differences as server-sent events."""
+    gen.check_model(body.model)
+    tokenizer, model_name, metrics = gen.tokenizer, gen.model_name, gen.metrics
+    if isinstance(body.prompt, str):  # NOTE: off the event loop, as in chat_completion
+        prompt = [tokenizer.bos_id] + await run_in_threadpool(tokenizer.encode, body.prompt)
+    else:
+        prompt = body.prompt
+    params = gen.sampling(body, len(prompt), gen.end_of_text, "prompt")
+    req, queue = gen.submit(request, prompt, params, body.cache_salt, "prompt")
+    rid, created = f"cmpl-{req.id[4:]}", int(time.time())
+
+    def body_of(text: str, finish: str | None, with_usage: bool) -> dict:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+               "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        return dict(out, usage=usage(req)) if with_usage else out
+
+    if not body.stream:
+        ids = []
+        async for out in outputs(request, req, queue, watch_disconnect=True):
+            ids += visible(out)
+        if not req.finished:
+            return Response(status_code=499)
+        metrics.finished("completions", req)
+        return JSONResponse(body_of(tokenizer.decode(ids, skip_special=True), req.finish_reason, True))
+
+    async def events():
+        ids, diff = [], TextDiff()
+        async for out in outputs(request, req, queue, watch_disconnect=False):
+            ids += visible(out)
+            new = diff.update(tokenizer.decode(ids, skip_special=True), out.finish_reason is not None)
+            if new:
+                yield event(body_of(new, None, False))
+        metrics.finished("completions", req)
+        yield event(body_of("", req.finish_reason, False))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield event(dict(body_of("", None, True), choices=[]))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(events(), metrics), media_type="text/event-stream")
+
+
+# ------------------------------------------------------------------------------------------ the app
 
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
                max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -551,10 +888,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     if max_context is not None and max_context > positions:
         raise ValueError(f"max_context={max_context} (--max-context) exceeds the model's "
                          f"max_position_embeddings={positions}")
-    max_context = max_context or positions
     metrics = Metrics()
-    end_of_text = (tokenizer.eos_id,)
-    chat_stops = chat_stop_ids(tokenizer)
+    gen = Generation(tokenizer, model_name, max_context or positions, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -563,254 +898,36 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         app.state.loop.stop()
 
     app = FastAPI(title="openk3", lifespan=lifespan)
+    app.openapi = lambda: openapi_without_422(app)
     app.state.metrics = metrics
-
-    def send_error(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type: str = "invalid_request_error") -> JSONResponse:
-        metrics.errors[status] += 1
-        return JSONResponse(error_body(message, type, param, code), status_code=status)
-
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
-                       refuse=lambda message: send_error(413, message, None, "request_too_large"))
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: HTTPRequest, e: APIError) -> JSONResponse:
-        return send_error(e.status, e.message, e.param, e.code, e.type)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        # NOTE: a value in a union field gets one error per member, each ending in the member's tag ("str",
-        # "list[TextPart]"); our own checks (value_error) say more than "not a str", and the tags are no field
-        err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
-        loc = [str(p) for p in err.get("loc", ()) if p != "body" and p not in _UNION_TAGS and "[" not in str(p)]
-        param = ".".join(loc) or None
-        if err.get("type") == "json_invalid":
-            return send_error(400, f"the body is not valid JSON: {err.get('msg')} (at {param})", None, "invalid_json")
-        return send_error(400, f"{param or 'body'}: {err.get('msg')}", param, err.get("type"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
-        return send_error(e.status_code, str(e.detail), None, None)
-
-    @app.exception_handler(Exception)
-    async def _bug(request: HTTPRequest, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return send_error(500, f"internal error: {e!r}", None, None, "server_error")
-
-    def authorize(request: HTTPRequest) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
-                           type="authentication_error")
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
-
-    def sampling(body: _Generate, n_prompt: int, stops: tuple[int, ...], param: str) -> SamplingParams:
-        room = max_context - n_prompt
-        if room < 1:
-            raise APIError(400, f"the prompt has {n_prompt} tokens; the context holds {max_context}, leaving no room "
-                                f"to generate", param, "context_length_exceeded")
-        requested = body.requested_max_tokens
-        if requested is not None and requested > room:
-            raise APIError(400, f"max_tokens={requested} + the prompt's {n_prompt} tokens exceed the context of "
-                                f"{max_context} tokens (at most {room} can be generated)", "max_tokens",
-                           "context_length_exceeded")
-        temperature = body.temperature
-        return SamplingParams(max_tokens=requested or min(room, DEFAULT_MAX_TOKENS), temperature=temperature,
-                              top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop_token_ids=stops)
-
-    def submit(request: HTTPRequest, prompt: list[int], params: SamplingParams, salt: str | None,
-               param: str) -> tuple[Request, asyncio.Queue]:
-        try:  # NOTE: the engine validates what only it knows (vocabulary, page pool); its ValueError is the client's
-            return request.app.state.loop.submit(prompt, params, salt)
-        except ValueError as e:
-            raise APIError(400, str(e), param, "invalid_prompt") from None
-
-    async def disconnected(request: HTTPRequest) -> None:
-        """Returns when the client has gone. NOTE: the body has been read, so the next ASGI message is the
-        disconnect; waiting on it costs nothing (polling `is_disconnected` between tokens would need a timeout)."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    def usage(req: Request) -> dict:
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
-                "total_tokens": len(req.prompt) + len(req.output),
-                "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
-
-    async def outputs(request: HTTPRequest, req: Request, queue: asyncio.Queue, watch_disconnect: bool):
-        """The request's StepOutputs as they come. Non-streaming handlers watch for a disconnect themselves, while
-        waiting for every output (a streaming response is cancelled by Starlette when its client goes); either
-        way the engine cancels the request at its next step."""
-        done = False
-        gone = asyncio.create_task(disconnected(request)) if watch_disconnect else None
-        try:
-            while True:
-                if gone is None:
-                    out = await queue.get()
-                elif queue.empty():
-                    get = asyncio.ensure_future(queue.get())
-                    await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
-                        get.cancel()
-                        return
-                    out = get.result()
-                else:
-                    out = queue.get_nowait()
-                if isinstance(out, BaseException):
-                    raise APIError(500, f"the engine failed: {out!r}", type="server_error")
-                if out.finish_reason == "error":  # this request failed alone; the engine serves on
-                    done = True
-                    log.error("request %s failed: %s", req.id, req.error)
-                    raise APIError(500, f"generation failed: {req.error}", code="generation_failed",
-                                   type="server_error")
-                yield out
-                if out.finish_reason is not None:
-                    done = True
-                    return
-        finally:
-            if gone is not None:
-                gone.cancel()
-            if not done:
-                request.app.state.loop.cancel(req.id)
-
-    async def sse(events):
-        """Server-sent events, ending in an error event if generation fails once the stream has begun (the status
-        line has gone out by then), as OpenAI's streams do."""
-        try:
-            async for event in events:
-                yield event
-        except APIError as e:
-            metrics.errors[e.status] += 1
-            yield "data: " + json.dumps(error_body(e.message, e.type, e.param, e.code)) + "\n\n"
-
-    def visible(out: StepOutput) -> list[int]:
-        return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-
-    def chat_finish(req: Request, parser: OutputParser) -> str:
-        return "tool_calls" if req.finish_reason == "stop" and parser.tool_calls else req.finish_reason
+                       refuse=lambda message: send_error(metrics, 413, message, None, "request_too_large"))
+    add_error_handlers(app, metrics)
+    authorized = [Depends(bearer_auth(api_key))]
 
     @app.get("/health")
     async def health(request: HTTPRequest) -> JSONResponse:
         loop = request.app.state.loop
         if loop.error is not None:
-            return send_error(503, f"the engine stopped after an error: {loop.error!r}", type="server_error")
+            return send_error(metrics, 503, f"the engine stopped after an error: {loop.error!r}", type="server_error")
         return JSONResponse({"status": "ok", "model": model_name})
 
-    @app.get("/metrics", dependencies=[Depends(authorize)])
+    @app.get("/metrics", dependencies=authorized)
     async def get_metrics(request: HTTPRequest) -> PlainTextResponse:
         return PlainTextResponse(metrics.render(request.app.state.loop.stats),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "openk3"}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=authorized, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatRequest, request: HTTPRequest) -> Response:
-        check_model(body.model)
-        tools = None
-        if body.tools and body.tool_choice != "none":
-            tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        # NOTE: rendering and tokenising a long conversation takes seconds: off the event loop, so that every other
-        # client (and /health) is answered meanwhile
-        prompt = await run_in_threadpool(encode_conversation, tokenizer,
-                                         [m.model_dump(exclude_none=True) for m in body.messages], tools)
-        params = sampling(body, len(prompt), chat_stops, "messages")
-        req, queue = submit(request, prompt, params, body.cache_salt, "messages")
-        rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
-        parser = OutputParser(tokenizer)
+        return await chat_completion(gen, body, request)
 
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                          "model": model_name, "choices": [{"index": 0, "delta": delta,
-                                                                            "finish_reason": finish,
-                                                                            "logprobs": None}]}) + "\n\n"
-
-        if not body.stream:
-            async for out in outputs(request, req, queue, watch_disconnect=True):
-                parser.feed(visible(out))
-            if not req.finished:  # the client left
-                return Response(status_code=499)
-            metrics.finished("chat", req)
-            message = {"role": "assistant", "content": parser.content}
-            if parser.reasoning is not None:
-                message["reasoning_content"] = parser.reasoning
-            if parser.tool_calls:
-                message["tool_calls"] = parser.tool_calls
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                                 "choices": [{"index": 0, "message": message, "logprobs": None,
-                                              "finish_reason": chat_finish(req, parser)}],
-                                 "usage": usage(req)})
-
-        async def events():
-            reasoning_diff, content_diff = TextDiff(), TextDiff()
-            yield chunk({"role": "assistant", "content": ""})
-            async for out in outputs(request, req, queue, watch_disconnect=False):
-                parser.feed(visible(out))
-                final = out.finish_reason is not None
-                delta = {}
-                if parser.reasoning is not None and (new := reasoning_diff.update(parser.reasoning, final)):
-                    delta["reasoning_content"] = new
-                if new := content_diff.update(parser.content, final):
-                    delta["content"] = new
-                if delta:
-                    yield chunk(delta)
-            metrics.finished("chat", req)
-            calls = parser.tool_calls
-            yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]} if calls else {},
-                        chat_finish(req, parser))
-            if body.stream_options is not None and body.stream_options.include_usage:
-                yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                             "model": model_name, "choices": [], "usage": usage(req)}) + "\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(events()), media_type="text/event-stream")
-
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=authorized, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
-        check_model(body.model)
-        # a text prompt starts after [BOS] (as `openk3 generate`); a list of ids is taken as it is
-        if isinstance(body.prompt, str):  # NOTE: off the event loop, as in chat_completions
-            prompt = [tokenizer.bos_id] + await run_in_threadpool(tokenizer.encode, body.prompt)
-        else:
-            prompt = body.prompt
-        params = sampling(body, len(prompt), end_of_text, "prompt")
-        req, queue = submit(request, prompt, params, body.cache_salt, "prompt")
-        rid, created = f"cmpl-{req.id[4:]}", int(time.time())
-
-        def body_of(text: str, finish: str | None, with_usage: bool) -> dict:
-            out = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                   "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-            return dict(out, usage=usage(req)) if with_usage else out
-
-        if not body.stream:
-            ids = []
-            async for out in outputs(request, req, queue, watch_disconnect=True):
-                ids += visible(out)
-            if not req.finished:
-                return Response(status_code=499)
-            metrics.finished("completions", req)
-            return JSONResponse(body_of(tokenizer.decode(ids, skip_special=True), req.finish_reason, True))
-
-        async def events():
-            ids, diff = [], TextDiff()
-            async for out in outputs(request, req, queue, watch_disconnect=False):
-                ids += visible(out)
-                new = diff.update(tokenizer.decode(ids, skip_special=True), out.finish_reason is not None)
-                if new:
-                    yield "data: " + json.dumps(body_of(new, None, False)) + "\n\n"
-            metrics.finished("completions", req)
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            yield "data: " + json.dumps(body_of("", req.finish_reason, include_usage)) + "\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(events()), media_type="text/event-stream")
+        return await completion(gen, body, request)
 
     return app
 

@@ -315,6 +315,79 @@ def test_bad_requests_get_openai_error_bodies(server):
         assert r.status_code == 404 and "error" in r.json()
 
 
+def test_types_are_strict_as_in_openai(server):
+    """JSON booleans are not integers and a string is not a boolean: a 400 naming the field, wherever an int or a
+    bool is taken (pydantic's lax mode would take `true` as 1 and "yes" as True)."""
+    chat_ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cmpl_ok = {"model": NAME, "prompt": "x", "max_tokens": 2}
+    cases = [(dict(chat_ok, **{field: value}), field) for field, value in [
+        ("max_tokens", True), ("max_completion_tokens", True), ("n", True), ("seed", True), ("top_k", True),
+        ("temperature", True), ("top_p", True), ("max_tokens", "2"), ("stream", "yes"), ("stream", 1),
+        ("parallel_tool_calls", "yes")]]
+    cases += [(dict(cmpl_ok, prompt=[1, True]), "prompt"), (dict(cmpl_ok, stream="true"), "stream"),
+              (dict(cmpl_ok, stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+              (dict(cmpl_ok, stream="yes", stream_options={"include_usage": True}), "stream")]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for body, field in cases:
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            r = http.post(server.url + path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and field in err["message"], (body, err)
+
+
+def test_stream_options_need_stream_true(server):
+    """As OpenAI: stream_options without `stream: true` is a 400 naming stream_options."""
+    chat_ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cmpl_ok = {"model": NAME, "prompt": "x", "max_tokens": 2}
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for path, ok in [("/v1/chat/completions", chat_ok), ("/v1/completions", cmpl_ok)]:
+            for extra in ({}, {"stream": False}):
+                r = http.post(server.url + path, json=dict(ok, stream_options={"include_usage": True}, **extra))
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == "stream_options" and "stream" in err["message"], err
+
+
+def test_completions_usage_chunk_has_no_choices(client):
+    """The usage chunk of a completions stream has `choices: []`, as chat's does; the finish chunk before it
+    carries the finish_reason."""
+    chunks = list(client.completions.create(model=NAME, prompt="def f(x):", max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+
+
+def test_openapi_documents_400_not_422(server):
+    """The server answers a validation error with 400 (OpenAI's error body), so its OpenAPI document must say 400."""
+    doc = httpx.get(server.url + "/openapi.json", timeout=TIMEOUT).json()
+    assert "422" not in json.dumps(doc)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert "400" in doc["paths"][path]["post"]["responses"], path
+
+
+def test_tool_parameters_must_be_a_json_schema_object(server):
+    """A tool's `function.parameters` is a JSON Schema of type "object" (or {}, no parameters): else a 400 naming
+    the tool by its index."""
+    good = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    user = [{"role": "user", "content": "hi"}]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for parameters in ("a string", [], {"type": "string"}, {"properties": {"x": {}}},
+                           {"type": "object", "properties": []}, {"type": "object", "required": "x"}):
+            tools = [good, {"type": "function", "function": {"name": "g", "parameters": parameters}}]
+            r = http.post(server.url + "/v1/chat/completions",
+                          json={"model": NAME, "messages": user, "max_tokens": 2, "tools": tools})
+            assert r.status_code == 400, (parameters, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "tools.1.function.parameters" and "tools.1" in err["message"], err
+        for parameters in ({}, {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}):
+            tools = [{"type": "function", "function": {"name": "g", "parameters": parameters}}]
+            r = http.post(server.url + "/v1/chat/completions",
+                          json={"model": NAME, "messages": user, "max_tokens": 2, "tools": tools})
+            assert r.status_code == 200, (parameters, r.text)
+
+
 def test_lone_surrogates_are_refused_naming_the_field(server):
     """Valid JSON may escape a lone surrogate ("\\ud800"), which no UTF-8 tokenizer can encode: a 400 naming the
     field, never a 500."""
