@@ -678,21 +678,25 @@ def cmd_chat(args: argparse.Namespace, read=input) -> None:
     engine, tokenizer = _engine_from_args(args)
     end = tokenizer.token_id("<|im_end|>")
     history = encode_message(tokenizer, "system", args.system) if args.system else []
-    print("openk3 chat: an empty line or Ctrl-D ends the conversation.")
-    while True:
-        try:
-            line = read("you> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        prompt = history + encode_message(tokenizer, "user", line) + assistant_header(tokenizer)
-        req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
-        sys.stdout.write("k3> ")
-        _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-        if req.error is not None:  # the conversation goes on without this turn
-            print(f"\n[error: {req.error}]")
-            continue
-        print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
-              f"generated, {req.finish_reason}]")
-        history = prompt + req.output + ([] if req.output[-1] == end else [end])
+    print("openk3 chat: an empty line, Ctrl-D or Ctrl-C ends the conversation.")
+    try:
+        while True:
+            try:
+                line = read("you> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            prompt = history + encode_message(tokenizer, "user", line) + assistant_header(tokenizer)
+            req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
+            sys.stdout.write("k3> ")
+            _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+            if req.error is not None:  # the conversation goes on without this turn
+                print(f"\n[error: {req.error}]")
+                continue
+            print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
+                  f"generated, {req.finish_reason}]")
+            history = prompt + req.output + ([] if req.output[-1] == end else [end])
+    except KeyboardInterrupt:  # Ctrl-C while typing or while the model writes: leave as a shell program does
+        print("\nopenk3 chat: interrupted")
+        sys.exit(130)  # 128 + SIGINT

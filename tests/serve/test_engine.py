@@ -371,6 +371,28 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys, monkeypatch):
         args.fn(args)
 
 
+def test_chat_ctrl_c_exits_130_without_a_traceback(tokenizer, tmp_path, capsys):
+    config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    save_pretrained(K3ForCausalLM(config), tmp_path)
+    tokenizer.save(tmp_path)
+    parser = argparse.ArgumentParser()
+    register_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["chat", "--model", str(tmp_path), "--max-tokens", "2", "--device", "cpu"])
+    lines = ["hello world"]
+
+    def read(prompt: str) -> str:  # one turn, then Ctrl-C at the prompt
+        if not lines:
+            raise KeyboardInterrupt
+        return lines.pop(0)
+
+    with pytest.raises(SystemExit) as e:
+        args.fn(args, read=read)
+    assert e.value.code == 130
+    shown = capsys.readouterr().out
+    assert "prefix cache" in shown and shown.rstrip().endswith("openk3 chat: interrupted")
+
+
 def test_extreme_sampling_parameters_stay_finite():
     """A tiny temperature is the greedy limit and a tiny top_p keeps the most likely token: no NaN, no empty set."""
     from openk3.serve.sampler import SamplingParams, filtered_probs
