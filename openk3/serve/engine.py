@@ -54,7 +54,10 @@ class EngineConfig:
     """Engine settings. Pages: `num_pages` pages of `page_size` tokens each (page 0 is a reserved zero page);
     they hold running requests' MLA latents and the prefix cache's blocks and KDA checkpoints alike.
     Prefix cache: a hash every `hash_interval` tokens; KDA checkpoints every `checkpoint_interval` prompt tokens
-    (a multiple of hash_interval; None = only at the ends of prompts and turns). `prefill_chunk`: prompt tokens
+    (a multiple of hash_interval; None = only at the ends of prompts and turns). NOTE: a request resumes only at
+    a checkpoint before its last prompt token (any hash boundary for a model without KDA layers), so a prompt
+    shorter than `checkpoint_interval` sent twice gets `cached_tokens == 0`; one that extends an earlier prompt
+    or turn resumes at its end (see `PrefixCache`, docs/engine.md). `prefill_chunk`: prompt tokens
     per step (bounds the decode stall a long prompt causes). `max_batch`: requests prefilling or decoding at once.
     `num_draft_tokens`: tokens a draft model proposes per speculative round."""
 
