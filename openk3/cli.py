@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 # command -> (the module whose register_commands defines it, its one-line help)
@@ -86,13 +87,16 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
     """Register `info` and `init` (their one-line help is in `COMMANDS`)."""
+    from openk3.config import PRESETS  # stdlib only: the help names the presets there are, not a copied list
+
+    config_help = f"preset ({', '.join(PRESETS)}) or config.json path [tiny]"
     p = sub.add_parser("info")
-    p.add_argument("--config", default="tiny", help="preset (kimi-k3, kimi-linear-48b, tiny) or config.json path")
+    p.add_argument("--config", default="tiny", help=config_help)
     p.add_argument("--json", action="store_true", help="print JSON with total_params and active_params")
     p.set_defaults(fn=cmd_info)
 
     p = sub.add_parser("init")
-    p.add_argument("--config", default="tiny")
+    p.add_argument("--config", default="tiny", help=config_help)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="save a tokenizer with the checkpoint (the vocabulary and token ids follow "
@@ -125,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.fn(args)
+        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit flush
+    except BrokenPipeError:  # `openk3 info | head -1`: the reader left; say nothing, as a killed-by-SIGPIPE program
+        # NOTE: stdout still holds unwritten bytes; point it at devnull so the exit flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # 128 + SIGPIPE
     except (ValueError, OSError) as e:  # bad input: a config, a flag, a missing or unreadable file (CheckpointError)
         print(f"openk3 {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)

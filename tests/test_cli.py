@@ -1,6 +1,8 @@
 """The `openk3` command as a user runs it: info, init, and the checkpoint it writes."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,3 +94,23 @@ def test_init_with_a_missing_tokenizer_names_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["init", "--config", "tiny", "--out", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "nope")])
     assert str(tmp_path / "nope") in capsys.readouterr().err
+
+
+def test_info_help_lists_every_preset(capsys):
+    from openk3.config import PRESETS
+
+    for command in ("info", "init"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
+        assert all(name in shown for name in PRESETS), (command, shown)
+    assert "k3-1b" in PRESETS
+
+
+def test_info_into_a_closed_pipe_exits_quietly():
+    """`openk3 info | head -1`: the reader is gone before info prints; no BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "openk3.cli", "info"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # before info has imported torch, so every line it prints meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) in (0, 141) and err == "", err

@@ -346,7 +346,14 @@ class PrefixCache:
         resumed at and the one checkpoint it restored (`use`);
       - a node is published after its latents are written, and its checkpoint attached after it is written
         (`publish_blocks`, `checkpoint`): a lookup never sees a half-written state.
-    Counters: queries, query_tokens, hit_tokens, evictions (blocks + checkpoints)."""
+    Counters: queries, query_tokens, hit_tokens, evictions (blocks + checkpoints).
+
+    NOTE: granularity. A hit resumes only at a usable node that ends before the prompt's last token: for a hybrid
+    (KDA) model a node with a checkpoint, i.e. a multiple of the checkpoint interval, or the end of an earlier
+    prompt or finished turn that is a strict prefix of this prompt; for an all-MLA model any multiple of
+    `hash_interval`. So the same prompt sent twice reuses nothing below the first checkpoint interval (its own
+    end checkpoint is at its last token, which must be recomputed), and an all-MLA prompt of at most
+    `hash_interval` tokens never hits. A conversation's next turn, which extends the last one, does hit."""
 
     def __init__(self, pool: PagePool, hash_interval: int):
         if not isinstance(hash_interval, int) or hash_interval < 1:

@@ -21,10 +21,9 @@ thread, they only append to queues that the next step drains. One `step()`:
      reading the pages, recurrent KDA), or with a draft model one speculative round: k draft tokens, one target
      forward over k + 1 tokens, rejection sampling, KDA rollback from the kept per-token inputs.
 
-Sampling (the parameters, top-k/top-p, speculative acceptance) is in sampler.py.
-
-Running requests' KDA states live batch-contiguous (one `KDAState` per layer with a row per request), rebuilt only
-when requests join or leave; their MLA latents live in the paged pool.
+Sampling (the parameters, top-k/top-p, speculative acceptance) is in sampler.py; running the model (the forward
+over a ragged batch of paged sequences, the decode batch's KDA states, the speculative rollback) in runner.py, one
+`ModelRunner` for the target and one for the draft. This file is the scheduler.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ from torch import Tensor
 
 from openk3.model.checkpoint import load_for_inference
 from openk3.model.model import K3ForCausalLM
-from openk3.serve.cache import (KDAState, Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states,
-                                new_kda_states, paged_cache, rollback_kda, select_kda_rows)
+from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath
+from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
 
 
@@ -54,7 +53,10 @@ class EngineConfig:
     """Engine settings. Pages: `num_pages` pages of `page_size` tokens each (page 0 is a reserved zero page);
     they hold running requests' MLA latents and the prefix cache's blocks and KDA checkpoints alike.
     Prefix cache: a hash every `hash_interval` tokens; KDA checkpoints every `checkpoint_interval` prompt tokens
-    (a multiple of hash_interval; None = only at the ends of prompts and turns). `prefill_chunk`: prompt tokens
+    (a multiple of hash_interval; None = only at the ends of prompts and turns). NOTE: a request resumes only at
+    a checkpoint before its last prompt token (any hash boundary for a model without KDA layers), so a prompt
+    shorter than `checkpoint_interval` sent twice gets `cached_tokens == 0`; one that extends an earlier prompt
+    or turn resumes at its end (see `PrefixCache`, docs/engine.md). `prefill_chunk`: prompt tokens
     per step (bounds the decode stall a long prompt causes). `max_batch`: requests prefilling or decoding at once.
     `num_draft_tokens`: tokens a draft model proposes per speculative round."""
 
@@ -136,22 +138,21 @@ class Engine:
     vocabulary); see the module docstring. `model` and `draft` are used as they are (device, dtype)."""
 
     def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, draft: K3ForCausalLM | None = None):
-        self.model = model.eval()
         self.cfg = config = config or EngineConfig()
-        weight = model.lm_head.weight
-        self.device, self.dtype = weight.device, weight.dtype
-        self.pool = PagePool(model.config, config.num_pages, config.page_size, self.device, self.dtype)
+        self.target = ModelRunner(model, config.num_pages, config.page_size)
+        self.model, self.pool = self.target.model, self.target.pool
+        self.device, self.dtype = self.target.device, self.target.dtype
         self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None
-        self.draft = draft.eval() if draft is not None else None
-        self.draft_pool = None
+        self.drafter: ModelRunner | None = None
+        self.draft = self.draft_pool = None
         if draft is not None:
             if draft.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"draft vocab_size={draft.config.vocab_size} != target vocab_size="
                                  f"{model.config.vocab_size}: a draft must share the target's tokenizer")
             if draft.lm_head.weight.device != self.device:
                 raise ValueError(f"draft is on {draft.lm_head.weight.device}, target on {self.device}")
-            self.draft_pool = PagePool(draft.config, config.num_pages, config.page_size, self.device,
-                                       draft.lm_head.weight.dtype)
+            self.drafter = ModelRunner(draft, config.num_pages, config.page_size)
+            self.draft, self.draft_pool = self.drafter.model, self.drafter.pool
         # Positions a speculative round may write past the last kept token (its worst case is reserved too).
         self.lookahead = config.num_draft_tokens if draft is not None else 0
 
@@ -160,10 +161,7 @@ class Engine:
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
-        self.running: list[Request] = []  # the decode batch; row b of every batch state is running[b]
-        self.kda: list[KDAState] = new_kda_states(model.config, 0, self.device, self.dtype)
-        self.draft_kda: list[KDAState] = (new_kda_states(draft.config, 0, self.device, draft.lm_head.weight.dtype)
-                                          if draft is not None else [])
+        self.running: list[Request] = []  # the decode batch; row b of the runners' batch states is running[b]
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
                              spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0)
 
@@ -296,25 +294,21 @@ class Engine:
         if self.prefix is not None:
             req.prefix, states = self.prefix.use(match, n, req.cache_salt, req.seq)
         req.cached_tokens = match.length
-        req.kda = states if states is not None else new_kda_states(self.model.config, 1, self.device, self.dtype)
+        req.kda = states if states is not None else self.target.new_states()
         if self.draft is not None:
             self.draft_pool.reserve(draft_need)
             req.draft_seq = PagedSeq(reserved=draft_need)
-            req.draft_kda = new_kda_states(self.draft.config, 1, self.device, self.draft_pool.dtype)
+            req.draft_kda = self.drafter.new_states()
         return True
 
     # ---- forwards
-    def _forward(self, model: K3ForCausalLM, pool: PagePool, seqs: list[PagedSeq], kda: list[KDAState],
+    def _forward(self, model: K3ForCausalLM, pool: PagePool, seqs: list[PagedSeq], kda: list,
                  tokens: list[list[int]], logits_to_keep: int = 0) -> Tensor:
-        """One forward of a ragged batch: row b appends tokens[b] (all rows the same count T) after its cached
-        seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V]."""
-        T = len(tokens[0])
-        cache = paged_cache(pool, kda, seqs, T)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = model(ids, cache=cache, logits_to_keep=logits_to_keep).logits
-        for s in seqs:
-            s.length += T
-        return logits.float()
+        """`ModelRunner.forward` of `model`'s runner (target or draft; `pool` is that runner's pool).
+        NOTE: every forward of the engine goes through this one method, so a test or a server can wrap it
+        (e.g. to make one row's logits NaN) without knowing the runners."""
+        runner = self.target if model is self.model else self.drafter
+        return runner.forward(seqs, kda, tokens, logits_to_keep)
 
     def _prefill(self, outputs: list[StepOutput]) -> None:
         budget = self.cfg.prefill_chunk
@@ -354,13 +348,13 @@ class Engine:
                 continue
             req.status = "running"
             self.running.append(req)
-            self.kda = cat_kda_states(self.kda, req.kda)
-            if self.draft is not None:
-                self.draft_kda = cat_kda_states(self.draft_kda, req.draft_kda)
+            self.target.join(req.kda)
+            if self.drafter is not None:
+                self.drafter.join(req.draft_kda)
             req.kda = req.draft_kda = None
 
     def _decode(self, outputs: list[StepOutput]) -> None:
-        logits = self._forward(self.model, self.pool, [r.seq for r in self.running], self.kda,
+        logits = self._forward(self.model, self.pool, [r.seq for r in self.running], self.target.kda,
                                [[r.output[-1]] for r in self.running])[:, -1]
         finite = self._finite(logits, self.running, outputs)
         if not all(finite):
@@ -380,20 +374,17 @@ class Engine:
         """One speculative round for the whole batch (module docstring, step 4)."""
         reqs, k = self.running, self.cfg.num_draft_tokens
         B = len(reqs)
-        # The committed states are the tensors the layers hold now; forwards replace them, so no copy is needed.
-        committed = [KDAState(s.recurrent, s.conv) for s in self.kda]
-        draft_committed = [KDAState(s.recurrent, s.conv) for s in self.draft_kda]
-        for s in self.kda + self.draft_kda:
-            s.keep_inputs = True
-        draft_inputs: list[list[dict]] = [[] for _ in self.draft_kda]
+        committed = self.target.begin_speculation()
+        draft_committed = self.drafter.begin_speculation()
+        draft_inputs: list[list[dict]] = [[] for _ in self.drafter.kda]  # per layer, per draft forward
         drafted: list[list[int]] = [[] for _ in reqs]
         q_probs: list[list[Tensor]] = [[] for _ in reqs]
         tokens = [[r.output[-1]] for r in reqs]
         # k + 1 draft forwards: the last one only feeds d_k, so the draft's cache covers every verified token.
         for i in range(k + 1):
-            logits = self._forward(self.draft, self.draft_pool, [r.draft_seq for r in reqs], self.draft_kda,
+            logits = self._forward(self.draft, self.draft_pool, [r.draft_seq for r in reqs], self.drafter.kda,
                                    tokens)[:, -1]
-            for j, s in enumerate(self.draft_kda):
+            for j, s in enumerate(self.drafter.kda):
                 draft_inputs[j].append(s.inputs)
             if i == k:
                 break
@@ -408,7 +399,7 @@ class Engine:
             tokens = [[d[-1]] for d in drafted]
 
         verify = [[r.output[-1]] + d for r, d in zip(reqs, drafted)]
-        logits = self._forward(self.model, self.pool, [r.seq for r in reqs], self.kda, verify)  # [B, k+1, V]
+        logits = self._forward(self.model, self.pool, [r.seq for r in reqs], self.target.kda, verify)  # [B, k+1, V]
         logprobs = torch.log_softmax(logits, -1)
         argmax = logits.argmax(-1).tolist()
         keep = []
@@ -432,13 +423,11 @@ class Engine:
             r.draft_seq.length -= k + 1 - n
         if min(keep) < k + 1:
             keep_B = torch.tensor(keep, device=self.device)
-            for s, c in zip(self.kda, committed):
-                rollback_kda(s, c, s.inputs, keep_B)
-            for s, c, parts in zip(self.draft_kda, draft_committed, draft_inputs):
-                joined = {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
-                rollback_kda(s, c, joined, keep_B)
-        for s in self.kda + self.draft_kda:
-            s.keep_inputs, s.inputs = False, None
+            self.target.rollback(committed, [s.inputs for s in self.target.kda], keep_B)
+            self.drafter.rollback(draft_committed, [{name: torch.cat([p[name] for p in parts], dim=1)
+                                                     for name in parts[0]} for parts in draft_inputs], keep_B)
+        self.target.end_speculation()
+        self.drafter.end_speculation()
         self._retire(outputs)
 
     # ---- outputs and endings
@@ -478,7 +467,7 @@ class Engine:
         done = [b for b, r in enumerate(self.running) if r.finished]
         for b in done:
             r = self.running[b]
-            self._end(r, r.finish_reason, outputs, states=self.kda, row=b, emitted=True)
+            self._end(r, r.finish_reason, outputs, states=self.target.kda, row=b, emitted=True)
         self._leave(done)
 
     def _leave(self, rows: list[int]) -> None:
@@ -487,11 +476,11 @@ class Engine:
         gone = set(rows)
         stay = [b for b in range(len(self.running)) if b not in gone]
         self.running = [self.running[b] for b in stay]
-        self.kda = select_kda_rows(self.kda, stay)
-        if self.draft is not None:
-            self.draft_kda = select_kda_rows(self.draft_kda, stay)
+        self.target.keep_rows(stay)
+        if self.drafter is not None:
+            self.drafter.keep_rows(stay)
 
-    def _end(self, req: Request, reason: str, outputs: list[StepOutput], states: list[KDAState] | None = None,
+    def _end(self, req: Request, reason: str, outputs: list[StepOutput], states: list | None = None,
              row: int = 0, emitted: bool = False) -> None:
         """Release a request's pages and pins. A turn that ended normally first publishes its whole conversation
         so far, with a KDA checkpoint at its end (the next turn resumes there)."""
@@ -678,21 +667,25 @@ def cmd_chat(args: argparse.Namespace, read=input) -> None:
     engine, tokenizer = _engine_from_args(args)
     end = tokenizer.token_id("<|im_end|>")
     history = encode_message(tokenizer, "system", args.system) if args.system else []
-    print("openk3 chat: an empty line or Ctrl-D ends the conversation.")
-    while True:
-        try:
-            line = read("you> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        prompt = history + encode_message(tokenizer, "user", line) + assistant_header(tokenizer)
-        req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
-        sys.stdout.write("k3> ")
-        _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-        if req.error is not None:  # the conversation goes on without this turn
-            print(f"\n[error: {req.error}]")
-            continue
-        print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
-              f"generated, {req.finish_reason}]")
-        history = prompt + req.output + ([] if req.output[-1] == end else [end])
+    print("openk3 chat: an empty line, Ctrl-D or Ctrl-C ends the conversation.")
+    try:
+        while True:
+            try:
+                line = read("you> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            prompt = history + encode_message(tokenizer, "user", line) + assistant_header(tokenizer)
+            req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
+            sys.stdout.write("k3> ")
+            _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+            if req.error is not None:  # the conversation goes on without this turn
+                print(f"\n[error: {req.error}]")
+                continue
+            print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
+                  f"generated, {req.finish_reason}]")
+            history = prompt + req.output + ([] if req.output[-1] == end else [end])
+    except KeyboardInterrupt:  # Ctrl-C while typing or while the model writes: leave as a shell program does
+        print("\nopenk3 chat: interrupted")
+        sys.exit(130)  # 128 + SIGINT

@@ -149,9 +149,19 @@ def _read_document(path: Path, name: str) -> Document | None:
 
 
 def _load_jsonl(path: Path, name: str) -> list[Document]:
+    """One document per non-blank line. Read as bytes, so a non-UTF-8 line is an error naming the file, the line
+    and the byte offset in the file (JSONL is UTF-8, RFC 8259; a directory load does not skip it as it does a
+    binary file, since a .jsonl file is meant as data)."""
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    offset = 0  # of the line in the file, in bytes
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 (byte {offset + e.start} of the file is "
+                                 f"{raw[e.start]:#04x})") from e
+            offset += len(raw)
             if not line.strip():
                 continue
             try:

@@ -86,9 +86,11 @@ def plot_attnres(attnres: dict, step: int, path: Path) -> Path:
     fig.colorbar(im, ax=ax, label="mean mixing weight")
     ax.set_yticks(range(len(names)), names)
     ax.set_xticks(range(width))
-    ax.set_xlabel("source (0 = embedding, then blocks; last of a row = partial block)")
+    ax.set_xlabel("source (0 = embedding, then blocks;\nlast of a row = partial block)")
     ax.set_title(f"AttnRes depth weights at step {step}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # NOTE: tight_layout only moves the axes; a label wider than a small figure (few blocks) is still cut at the
+    # figure's edge. bbox_inches="tight" grows the saved image to hold every label.
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -363,21 +363,48 @@ class RowStreams:
             row.load_state_dict(row_state)
 
 
+def saved_run_args(model_dir: Path) -> TrainArgs | None:
+    """The TrainArgs of the run that wrote `model_dir` (its train_args.json), or None for a checkpoint without one."""
+    args_file = model_dir / ARGS_FILE
+    return TrainArgs(**json.loads(args_file.read_text())) if args_file.is_file() else None
+
+
 def validation_corpus(model_dir: Path, tokenizer: Tokenizer, data: str | None) -> TokenizedCorpus:
     """What `openk3 eval` scores: every document of `data` when given, else the held-out documents of the run
     that trained `model_dir` (rebuilt from its train_args.json)."""
     if data is not None:
         return tokenize_corpus(load_corpus(data), tokenizer)
-    args_file = model_dir / ARGS_FILE
-    if not args_file.is_file():
+    saved = saved_run_args(model_dir)
+    if saved is None:
         raise FileNotFoundError(f"no --data given and {model_dir} has no {ARGS_FILE} to rebuild the run's "
                                 f"validation documents from")
-    saved = TrainArgs(**json.loads(args_file.read_text()))
     docs = load_corpus(saved.data)
     if len(docs) < 2:
         raise ValueError(f"the run of {model_dir} trained on one document and held none out; pass --data")
     _, val_docs = split_train_val(docs, saved.val_fraction, seed=SPLIT_SEED)
     return tokenize_corpus(val_docs, tokenizer)
+
+
+def eval_settings(saved: TrainArgs | None, data: str | None, batch_size: int | None, seq_len: int | None,
+                  max_tokens: int | None) -> dict:
+    """`openk3 eval`'s batch_size, seq_len and max_tokens (None = every token), given ones kept.
+
+    NOTE: the defaults are those of the run's final validation (train's last "validation: loss"): its batch size,
+    the row length of its last step and, on its held-out documents, its --eval-tokens. Row starts see no earlier
+    context, so another row length or token count gives another loss: with eval's old defaults (every held-out
+    token in 8 x 256 rows) a default run reported 4.03 where train had printed 3.81 (16,384 tokens, 64-token rows).
+    Without a saved run (or with --data): 8 rows of 256 tokens, every token. max_tokens 0 = every token."""
+    if saved is None:
+        defaults = {"batch_size": 8, "seq_len": 256, "max_tokens": None}
+    else:
+        final_seq_len = seq_len_at(saved.steps - 1, parse_seq_len_schedule(saved.seq_len_schedule), saved.seq_len)
+        defaults = {"batch_size": saved.batch_size, "seq_len": final_seq_len,
+                    "max_tokens": saved.eval_tokens if data is None else None}
+    given = {"batch_size": batch_size, "seq_len": seq_len, "max_tokens": max_tokens}
+    out = {k: defaults[k] if v is None else v for k, v in given.items()}
+    if out["max_tokens"] == 0:
+        out["max_tokens"] = None
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------- model
@@ -570,7 +597,8 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, tokenizer: Tokenizer
         count += valid
     # The predicted tokens are stream tokens 1..n (shuffle=False: the stream is the corpus in order).
     n_bytes = len(tokenizer.decode(corpus.tokens[1:n + 1].tolist(), skip_special=True).encode("utf-8"))
-    return {"loss": nats / count, "bpb": nats / math.log(2) / max(n_bytes, 1), "tokens": count, "bytes": n_bytes}
+    return {"loss": nats / count, "bpb": nats / math.log(2) / max(n_bytes, 1), "tokens": count, "bytes": n_bytes,
+            "seq_len": seq_len}
 
 
 def generate(model: K3ForCausalLM, tokenizer: Tokenizer, prompt: str, *, max_tokens: int = 200,
@@ -788,8 +816,9 @@ def print_summary(result: TrainResult, step: int, args: TrainArgs) -> None:
         print(f"final training loss {result.losses[-1]:.4f}")
     if result.final_eval is not None:
         ev = result.final_eval
-        print(f"validation: loss {ev['loss']:.4f}, {ev['bpb']:.4f} bits per byte "
-              f"({ev['tokens']:,} tokens, {ev['bytes']:,} bytes)")
+        print(f"validation: loss {ev['loss']:.4f}, {ev['bpb']:.4f} bits per byte on the held-out documents "
+              f"(the first {ev['tokens']:,} tokens, {ev['bytes']:,} bytes, in {ev['seq_len']}-token rows; "
+              f"`openk3 eval --model {result.run_dir}` repeats it)")
     print(f"checkpoints, metrics and plots in {result.run_dir}")
     if result.sample is not None:
         print(f"\n---- sample (prompt {args.sample_prompt!r}, temperature {args.sample_temperature}) ----\n"
@@ -855,9 +884,11 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval")
     p.add_argument("--model", required=True, help="checkpoint directory or run directory (its latest checkpoint)")
     p.add_argument("--data", default=None, help="corpus to score [the run's held-out documents]")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens [all]")
+    # The defaults repeat the run's final validation, so eval prints the loss train printed (see eval_settings).
+    p.add_argument("--batch-size", type=int, help="rows per batch [the run's --batch-size, else 8]")
+    p.add_argument("--seq-len", type=int, help="tokens per row [the run's last row length, else 256]")
+    p.add_argument("--max-tokens", type=int, help="score only the first N tokens, 0 = all [the run's --eval-tokens "
+                                                  "on its held-out documents, else all]")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
@@ -869,15 +900,22 @@ def cmd_train(ns: argparse.Namespace) -> None:
 
 
 def cmd_eval(ns: argparse.Namespace) -> None:
-    for name in ("batch_size", "seq_len", "max_tokens"):
+    for name in ("batch_size", "seq_len"):
         v = getattr(ns, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v}: must be positive")
+    if ns.max_tokens is not None and ns.max_tokens < 0:
+        raise ValueError(f"--max-tokens={ns.max_tokens}: must be positive, or 0 for every token")
     model, tokenizer, model_dir = load_for_inference(ns.model, ns.device)
+    saved = saved_run_args(model_dir)
     corpus = validation_corpus(model_dir, tokenizer, ns.data)
-    ev = evaluate(model, corpus, tokenizer, batch_size=ns.batch_size, seq_len=ns.seq_len, max_tokens=ns.max_tokens)
+    settings = eval_settings(saved, ns.data, ns.batch_size, ns.seq_len, ns.max_tokens)
+    amp = saved.dtype if saved is not None and ns.device == "cuda" else "fp32"
+    ev = evaluate(model, corpus, tokenizer, **settings, amp=amp,
+                  loss_chunk=saved.loss_chunk if saved is not None else TrainArgs.loss_chunk)
+    data = ns.data if ns.data is not None else f"the held-out documents of {saved.data or 'the stdlib'}"
     if ns.json:
-        print(json.dumps({"model": str(model_dir), **ev}))
+        print(json.dumps({"model": str(model_dir), "data": data, "seq_len": settings["seq_len"], **ev}))
     else:
-        print(f"{model_dir}: loss {ev['loss']:.4f} nats/token, {ev['bpb']:.4f} bits per byte "
-              f"({ev['tokens']:,} tokens, {ev['bytes']:,} bytes)")
+        print(f"{model_dir}: loss {ev['loss']:.4f} nats/token, {ev['bpb']:.4f} bits per byte on {data} "
+              f"(the first {ev['tokens']:,} tokens, {ev['bytes']:,} bytes, in {settings['seq_len']}-token rows)")

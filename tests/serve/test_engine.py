@@ -371,6 +371,41 @@ def test_cli_generate_and_chat(tokenizer, tmp_path, capsys, monkeypatch):
         args.fn(args)
 
 
+def test_prefix_cache_granularity_as_documented():
+    """docs/engine.md, "Granularity": the same short prompt twice reuses nothing (its end checkpoint is at its
+    last token, which is always recomputed); a prompt extending it resumes at its end."""
+    model = small_model()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=256, hash_interval=8, checkpoint_interval=16))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    prompt = list(range(1, 11))  # 10 tokens: below the checkpoint interval
+    assert [engine.generate([prompt], params)[0].cached_tokens for _ in range(2)] == [0, 0]
+    assert engine.generate([prompt + [11]], params)[0].cached_tokens == 10
+    long = list(range(20, 40))  # 20 tokens: the checkpoint at 16 is reused by the same prompt sent again
+    assert [engine.generate([long], params)[0].cached_tokens for _ in range(2)] == [0, 16]
+
+
+def test_chat_ctrl_c_exits_130_without_a_traceback(tokenizer, tmp_path, capsys):
+    config = small_config().replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    save_pretrained(K3ForCausalLM(config), tmp_path)
+    tokenizer.save(tmp_path)
+    parser = argparse.ArgumentParser()
+    register_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["chat", "--model", str(tmp_path), "--max-tokens", "2", "--device", "cpu"])
+    lines = ["hello world"]
+
+    def read(prompt: str) -> str:  # one turn, then Ctrl-C at the prompt
+        if not lines:
+            raise KeyboardInterrupt
+        return lines.pop(0)
+
+    with pytest.raises(SystemExit) as e:
+        args.fn(args, read=read)
+    assert e.value.code == 130
+    shown = capsys.readouterr().out
+    assert "prefix cache" in shown and shown.rstrip().endswith("openk3 chat: interrupted")
+
+
 def test_extreme_sampling_parameters_stay_finite():
     """A tiny temperature is the greedy limit and a tiny top_p keeps the most likely token: no NaN, no empty set."""
     from openk3.serve.sampler import SamplingParams, filtered_probs

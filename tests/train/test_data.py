@@ -72,6 +72,16 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         load_corpus(not_str)
 
 
+def test_non_utf8_jsonl_in_a_directory_names_file_line_and_byte(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    first = b'{"text": "ok"}\n'
+    (tmp_path / "sub" / "latin1.jsonl").write_bytes(first + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"sub/latin1\.jsonl:2: not UTF-8 \(byte {len(first) + 13} of the file "
+                                         r"is 0xe9\)"):
+        load_corpus(tmp_path)
+
+
 def test_load_directory_recursively_skipping_binaries(tmp_path):
     (tmp_path / "a.txt").write_text("alpha")
     (tmp_path / "sub" / "deeper").mkdir(parents=True)

@@ -200,7 +200,8 @@ def test_generate_sampling_is_seeded(finished_run):
 
 
 def test_eval_cli_scores_every_held_out_byte(finished_run, workdir, capsys):
-    cli.main(["eval", "--model", str(finished_run / "checkpoints/step_000006"), "--json", "--seq-len", "48"])
+    cli.main(["eval", "--model", str(finished_run / "checkpoints/step_000006"), "--json", "--seq-len", "48",
+              "--max-tokens", "0"])
     out = json.loads(capsys.readouterr().out)
     _, val_docs = split_train_val(load_corpus(workdir / "corpus"), 0.3, seed=0)
     model, tokenizer, _ = load_for_inference(finished_run)
@@ -213,6 +214,18 @@ def test_eval_cli_scores_every_held_out_byte(finished_run, workdir, capsys):
     other = evaluate(model, tokenize_corpus(val_docs, tokenizer), tokenizer, batch_size=3, seq_len=80)
     assert other["tokens"] == out["tokens"] and other["bytes"] == out["bytes"]
     assert other["loss"] != out["loss"] and abs(other["loss"] - out["loss"]) < 0.2
+
+
+def test_eval_cli_repeats_the_final_validation_of_train(finished, capsys):
+    """With no flags, `openk3 eval` scores what train's last validation scored (same documents, tokens, rows)."""
+    cli.main(["eval", "--model", str(finished.run_dir), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == finished.final_eval["tokens"] == 256
+    assert out["bytes"] == finished.final_eval["bytes"] and out["seq_len"] == 32
+    assert out["loss"] == pytest.approx(finished.final_eval["loss"], rel=1e-5)
+    cli.main(["eval", "--model", str(finished.run_dir)])
+    assert "held-out documents" in (printed := capsys.readouterr().out) and "256 tokens" in printed
+    assert "32-token rows" in printed
 
 
 def test_user_errors_name_the_bad_value(tmp_path, capsys):

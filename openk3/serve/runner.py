@@ -1,0 +1,79 @@
+"""Model execution for the inference engine: one model, its page pool and the decode batch's KDA states.
+
+The engine (engine.py) decides what runs; a `ModelRunner` runs it. The engine owns one for the target model and,
+with speculative decoding, one for the draft:
+
+    runner = ModelRunner(model, num_pages=1024, page_size=64)
+    states = runner.new_states()                          # a prefilling request's own KDA states (batch 1)
+    logits = runner.forward([seq], states, [prompt_ids])  # fp32 [1, T, V]; writes the latents, advances seq
+    runner.join(states)                                   # the request joins the decode batch (a new last row)
+    logits = runner.forward(seqs, runner.kda, [[t] for t in last_tokens])
+    runner.keep_rows([0, 2])                              # rows 1 and 3 left the batch
+
+Running requests' KDA states live batch-contiguous (one `KDAState` per layer with a row per request, row b of
+`kda` is the engine's running[b]), rebuilt only when requests join or leave; their MLA latents live in the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from openk3.model.model import K3ForCausalLM
+from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, new_kda_states, paged_cache,
+                                rollback_kda, select_kda_rows)
+
+
+class ModelRunner:
+    """Runs `model` (in eval mode, on its own device and dtype) over ragged batches of paged sequences."""
+
+    def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int):
+        self.model = model.eval()
+        weight = model.lm_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
+        self.kda: list[KDAState] = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
+
+    def new_states(self) -> list[KDAState]:
+        """Zero KDA states for one sequence (batch 1), one per KDA layer."""
+        return new_kda_states(self.model.config, 1, self.device, self.dtype)
+
+    def forward(self, seqs: list[PagedSeq], kda: list[KDAState], tokens: list[list[int]],
+                logits_to_keep: int = 0) -> Tensor:
+        """One forward of a ragged batch: row b appends tokens[b] (all rows the same count T) after its cached
+        seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V]."""
+        T = len(tokens[0])
+        cache = paged_cache(self.pool, kda, seqs, T)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep).logits
+        for s in seqs:
+            s.length += T
+        return logits.float()
+
+    # ---- the decode batch's KDA states
+    def join(self, states: list[KDAState]) -> None:
+        """A request's states become the batch's last row."""
+        self.kda = cat_kda_states(self.kda, states)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only these rows stay, in this order (requests left the batch)."""
+        self.kda = select_kda_rows(self.kda, rows)
+
+    # ---- speculative decoding
+    def begin_speculation(self) -> list[KDAState]:
+        """The committed states, and every KDA layer keeps its per-token inputs from now on (for `rollback`).
+        The committed states are the tensors the layers hold now; forwards replace them, so no copy is needed."""
+        committed = [KDAState(s.recurrent, s.conv) for s in self.kda]
+        for s in self.kda:
+            s.keep_inputs = True
+        return committed
+
+    def rollback(self, committed: list[KDAState], inputs: list[dict[str, Tensor]], keep_B: Tensor) -> None:
+        """Set each layer's batch state to its committed state + the first keep_B[b] tokens of the round, from
+        that layer's per-token inputs of the round (`rollback_kda`)."""
+        for s, c, x in zip(self.kda, committed, inputs):
+            rollback_kda(s, c, x, keep_B)
+
+    def end_speculation(self) -> None:
+        for s in self.kda:
+            s.keep_inputs, s.inputs = False, None
