@@ -293,6 +293,17 @@ def _validate(c: K3Config) -> None:
                   f"top-k larger than num_experts={c.num_experts}")
     if c.moe_router_activation_func != "sigmoid":
         raise bad("moe_router_activation_func", c.moe_router_activation_func, "only 'sigmoid' is implemented")
+    # Fields the release sets that select code paths openk3 does not have: only the release's values are accepted,
+    # so a config asking for something else fails here instead of silently running something different.
+    if c.topk_method != "noaux_tc":
+        raise bad("topk_method", c.topk_method, "only 'noaux_tc' (top-k over sigmoid scores plus the selection-only "
+                                                "bias, K3 and Kimi-Linear) is implemented")
+    if c.tie_word_embeddings:
+        raise bad("tie_word_embeddings", c.tie_word_embeddings,
+                  "tied input/output embeddings are not implemented (K3 and Kimi-Linear keep them separate)")
+    if c.num_nextn_predict_layers != 0:
+        raise bad("num_nextn_predict_layers", c.num_nextn_predict_layers,
+                  "multi-token-prediction layers are not implemented (the release has 0)")
     if c.moe_layer_freq < 1:
         raise bad("moe_layer_freq", c.moe_layer_freq, "must be >= 1")
     # Released configs use one expert group; grouped top-k with 1 group is plain top-k.

@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,16 @@ def test_the_release_config_loads_without_warnings(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         K3Config.load(tmp_path)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"use_grouped_topk": True, "num_expert_group": 4, "topk_group": 2}, "num_expert_group=(4, 2)"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1"),
+])
+def test_release_fields_without_a_code_path_are_refused(change, field):
+    """The release sets these; any other value would select code openk3 does not have, so it is an error."""
+    with pytest.raises(ValueError, match=re.escape(field)):
+        tiny().replace(**change)
+    assert get_config("kimi-k3").use_grouped_topk and get_config("kimi-k3").num_expert_group == 1
