@@ -535,7 +535,8 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
     """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
-    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
+    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served. The model
+    comes back in eval mode."""
     model_dir = find_checkpoint(path)
     try:
         tokenizer = Tokenizer.load(model_dir)
@@ -544,4 +545,4 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCaus
                                 f"has one with `openk3 init --tokenizer PATH|bpe`") from None
     model = load_pretrained(model_dir, device=device)
     model.set_qat(model.config.mxfp4_experts)
-    return model, tokenizer, model_dir
+    return model.eval(), tokenizer, model_dir

@@ -25,10 +25,14 @@ from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, ne
 
 
 class ModelRunner:
-    """Runs `model` (in eval mode, on its own device and dtype) over ragged batches of paged sequences."""
+    """Runs `model` (on its own device and dtype) over ragged batches of paged sequences.
+
+    The runner leaves the model's train/eval mode alone (it is the caller's; `load_for_inference` returns eval): every
+    forward runs under the engine's inference mode, and no K3 module behaves differently in train mode (no dropout,
+    no batch statistics; `recomputed` checks torch.is_grad_enabled(), not the mode)."""
 
     def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int):
-        self.model = model.eval()
+        self.model = model
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
