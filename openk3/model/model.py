@@ -161,9 +161,10 @@ class KimiDeltaAttention(nn.Module):
         return -a * F.softplus(f)  # Kimi-Linear: unbounded
 
     def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, pos: Tensor | None = None,
-                state: KDAState | None = None) -> Tensor:
+                state: KDAState | None = None, keep_inputs: bool = False) -> Tensor:
         """x [B, T, D] -> [B, T, D]. With cu_seqlens (packed documents, over the flattened B*T tokens) the
-        recurrence and the conv restart at every document; with `state` they continue from it (and update it)."""
+        recurrence and the conv restart at every document; with `state` they continue from it (and update it).
+        With `keep_inputs`, `state.inputs` gets this forward's per-token inputs (`KDAState`), else None."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -175,8 +176,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv_act.split(H * K, dim=-1))
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if state is not None and state.keep_inputs:
-            state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta}
+        if state is not None:
+            state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
         backend = select_kda_backend(x.device)
         kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
@@ -390,7 +391,8 @@ class DecoderLayer(nn.Module):
 
     def mixer(self, x: Tensor, ctx: "ForwardContext", layer_cache) -> Tensor:
         if self.is_kda:
-            return self.self_attn(x, cu_seqlens=ctx.cu_seqlens, pos=ctx.pos, state=layer_cache)
+            return self.self_attn(x, cu_seqlens=ctx.cu_seqlens, pos=ctx.pos, state=layer_cache,
+                                  keep_inputs=ctx.keep_inputs)
         return self.self_attn(x, mask=ctx.mask, state=layer_cache, absorb=ctx.absorb)
 
     def mix(self, prefix: Tensor, bank: list[Tensor], norm: "RMSNormWeight", proj: nn.Linear, record: bool) -> Tensor:
@@ -437,6 +439,7 @@ class ForwardContext:
     mask: Tensor | None = None  # [B, 1, T, T] block-diagonal causal mask for MLA (None = plain causal)
     absorb: bool | None = None
     record: bool = False
+    keep_inputs: bool = False  # KDA layers leave their per-token inputs in their state
 
 
 @dataclass
@@ -547,12 +550,13 @@ class K3ForCausalLM(nn.Module):
     # ---- run
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0,
-                loss_chunk: int = 0) -> CausalLMOutput:
+                loss_chunk: int = 0, keep_inputs: bool = False) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
         must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update.
         logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last).
         loss_chunk: when > 0 and the batch has more tokens than that, the loss is computed chunk by chunk with
-        recomputed logits (`chunked_cross_entropy`) and the output's logits are None."""
+        recomputed logits (`chunked_cross_entropy`) and the output's logits are None.
+        keep_inputs: every KDA state of `cache` gets this forward's per-token inputs (`KDAState.inputs`)."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -560,7 +564,7 @@ class K3ForCausalLM(nn.Module):
             bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)][0].item()
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.vocab_size})")
         B, T = input_ids.shape
-        ctx = ForwardContext(absorb=absorb, record=self.record_attnres)
+        ctx = ForwardContext(absorb=absorb, record=self.record_attnres, keep_inputs=keep_inputs)
         if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError("cu_seqlens (packed training batches) and a decode cache cannot be combined")
