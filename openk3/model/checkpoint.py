@@ -430,19 +430,20 @@ def _load_entry(entry: Entry, stored: list[Tensor], target: Tensor) -> None:
 
 
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> K3ForCausalLM:
+                    dtype: torch.dtype | None = None, qat: bool = False) -> K3ForCausalLM:
     """Build a K3ForCausalLM from a checkpoint directory.
 
     dtype: the dtype of the model's tensors (default: the checkpoint's, read from its embedding); the fp32-stored
     ones (o_norm, conv weights, dt_bias, A_log, router bias) stay fp32, bit-equal to the file's values. The model is built on the meta device, checked
     against the checkpoint's headers (one error names every missing, unexpected, mis-shaped tensor), allocated on
     `device`, then filled tensor by tensor, shard by shard (MXFP4 experts are dequantised expert by expert).
+    qat: the model runs its routed experts fake-quantised (`K3ForCausalLM`'s option, fixed at construction).
     """
     path = Path(path)
     config = _read_config(path)
     infos = read_index(path)
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = K3ForCausalLM(config, qat=qat)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     entries = _entries(config, shapes)
     a_log_heads = {e.stored[0].name: shapes[e.model_name][0] for e in entries if e.how == "a_log"}
@@ -535,13 +536,13 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
     """Model + tokenizer from a checkpoint or run directory. MXFP4-expert models run with their experts fake-quantised
-    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served."""
+    (MXFP4 weights, exact after loading; MXFP8 inputs), as they were trained and are meant to be served. The model
+    comes back in eval mode."""
     model_dir = find_checkpoint(path)
     try:
         tokenizer = Tokenizer.load(model_dir)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{e}. Copy the model's tokenizer into {model_dir}, or write a new checkpoint that "
                                 f"has one with `openk3 init --tokenizer PATH|bpe`") from None
-    model = load_pretrained(model_dir, device=device)
-    model.set_qat(model.config.mxfp4_experts)
+    model = load_pretrained(model_dir, device=device, qat=_read_config(model_dir).mxfp4_experts).eval()
     return model, tokenizer, model_dir

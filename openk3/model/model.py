@@ -161,9 +161,10 @@ class KimiDeltaAttention(nn.Module):
         return -a * F.softplus(f)  # Kimi-Linear: unbounded
 
     def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, pos: Tensor | None = None,
-                state: KDAState | None = None) -> Tensor:
+                state: KDAState | None = None, keep_inputs: bool = False) -> Tensor:
         """x [B, T, D] -> [B, T, D]. With cu_seqlens (packed documents, over the flattened B*T tokens) the
-        recurrence and the conv restart at every document; with `state` they continue from it (and update it)."""
+        recurrence and the conv restart at every document; with `state` they continue from it (and update it).
+        With `keep_inputs`, `state.inputs` gets this forward's per-token inputs (`KDAState`), else None."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -175,8 +176,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv_act.split(H * K, dim=-1))
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if state is not None and state.keep_inputs:
-            state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta}
+        if state is not None:
+            state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
         backend = select_kda_backend(x.device)
         kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
@@ -333,24 +334,22 @@ class MoE(nn.Module):
         if config.num_shared_experts:
             self.shared_experts = MLP(config, D, config.moe_intermediate_size * config.num_shared_experts)
         self.act = glu_activation(config)
-        self.qat = False  # MXFP4 fake-quant of expert weights + MXFP8 of their inputs (set by the trainer)
-        self.record = False  # keep the last router scores / selection for balancing and metrics
-        self.last_scores: Tensor | None = None
-        self.last_idx: Tensor | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, qat: bool = False, router_stats: list | None = None) -> Tensor:
+        """x [..., D] -> [..., D]. `qat`: MXFP4 fake-quant of the expert weights + MXFP8 of their inputs (spec
+        section 5). `router_stats`, when given, gets this layer's (scores [T, E] fp32, topk_idx [T, k]), detached."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         idx, w, scores = self.gate(x_TD)
-        if self.record:
-            self.last_scores, self.last_idx = scores.detach(), idx.detach()
+        if router_stats is not None:
+            router_stats.append((scores.detach(), idx.detach()))
         z = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
-        if self.qat:
+        if qat:
             z = fake_quant_mxfp8(z)
         e = self.experts
         # NOTE: under autocast z is bf16 while the stacked expert parameters stay fp32: cast them like a Linear would
         u = moe_experts(z, idx, w.to(z.dtype), e.w1.to(z.dtype), e.w2.to(z.dtype), e.w3.to(z.dtype), self.act,
-                        weight_fn=fake_quant_mxfp4 if self.qat else None)
+                        weight_fn=fake_quant_mxfp4 if qat else None)
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
                 u = self.routed_expert_norm(u)
@@ -383,21 +382,27 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
             self.mlp_res_norm = RMSNormWeight(D)
             self.mlp_res_proj = nn.Linear(D, 1, bias=False)
-        self.res_weights: list[Tensor] = []  # mean AttnRes mixing weights, when the model records them
 
-    def ffn(self, x: Tensor) -> Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def ffn(self, x: Tensor, qat: bool = False, router_stats: list | None = None) -> Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x, qat=qat, router_stats=router_stats)
+        return self.mlp(x)
 
     def mixer(self, x: Tensor, ctx: "ForwardContext", layer_cache) -> Tensor:
         if self.is_kda:
-            return self.self_attn(x, cu_seqlens=ctx.cu_seqlens, pos=ctx.pos, state=layer_cache)
+            return self.self_attn(x, cu_seqlens=ctx.cu_seqlens, pos=ctx.pos, state=layer_cache,
+                                  keep_inputs=ctx.keep_inputs)
         return self.self_attn(x, mask=ctx.mask, state=layer_cache, absorb=ctx.absorb)
 
-    def mix(self, prefix: Tensor, bank: list[Tensor], norm: "RMSNormWeight", proj: nn.Linear, record: bool) -> Tensor:
+    def mix(self, prefix: Tensor, bank: list[Tensor], norm: "RMSNormWeight", proj: nn.Linear, name: str,
+            ctx: "ForwardContext") -> Tensor:
+        """The AttnRes mix before the mixer ("attn") or the FFN ("mlp"); its mean mixing weight of each source goes
+        to ctx.attnres["<layer>.<name>"] when the forward records them."""
+        record = ctx.attnres is not None
         out = recomputed(attnres_mix, bank + [prefix], norm.weight, proj.weight.view(-1), self.eps, record)
         if record:
             out, w = out
-            self.res_weights.append(w.detach().float().flatten(1).mean(1))
+            ctx.attnres[f"{self.i}.{name}"] = w.detach().float().flatten(1).mean(1)
         return out
 
     def forward(self, prefix: Tensor | None, bank: list[Tensor], dtype: torch.dtype, ctx: "ForwardContext",
@@ -407,16 +412,16 @@ class DecoderLayer(nn.Module):
         if self.block_size is None:
             h = prefix
             h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
-            return h + self.ffn(self.post_attention_layernorm(h.to(dtype))).float(), bank
-        rec = ctx.record
-        h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, rec) if bank else prefix
+            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router).float(), bank
+        h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, "attn", ctx) if bank \
+            else prefix
         if self.i % self.block_size == 0:
             bank = bank + [prefix]
             prefix = None
         a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
         prefix = a if prefix is None else prefix + a
-        h = self.mix(prefix, bank, self.mlp_res_norm, self.mlp_res_proj, rec)
-        m = self.ffn(self.post_attention_layernorm(h.to(dtype))).float()
+        h = self.mix(prefix, bank, self.mlp_res_norm, self.mlp_res_proj, "mlp", ctx)
+        m = self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router).float()
         return prefix + m, bank
 
 
@@ -430,19 +435,28 @@ class RMSNormWeight(nn.Module):
 
 @dataclass
 class ForwardContext:
-    """What every layer needs to know about the batch layout, computed once per forward."""
+    """What every layer needs to know about one forward: the batch layout (computed once), the forward's options,
+    and the lists the layers fill with the statistics it was asked to record. Lives for one forward only."""
 
     cu_seqlens: Tensor | None = None  # packed documents over the flattened B*T tokens
     pos: Tensor | None = None  # [B, T] position inside the document (for the KDA conv)
     mask: Tensor | None = None  # [B, 1, T, T] block-diagonal causal mask for MLA (None = plain causal)
     absorb: bool | None = None
-    record: bool = False
+    qat: bool = False  # MoE experts fake-quantised (MXFP4 weights, MXFP8 inputs)
+    keep_inputs: bool = False  # KDA layers leave their per-token inputs in their state
+    router: list[tuple[Tensor, Tensor]] | None = None  # filled per MoE layer when recording
+    attnres: dict[str, Tensor] | None = None  # filled per AttnRes mix when recording
 
 
 @dataclass
 class CausalLMOutput:
     logits: Tensor | None  # None when the loss was computed in chunks (loss_chunk)
     loss: Tensor | None = None
+    # with record=True: per MoE layer in order, (router scores [B*T, E] fp32, selected experts [B*T, k]), detached
+    router: list[tuple[Tensor, Tensor]] | None = None
+    # with record_attnres=True: {"<layer>.attn" | "<layer>.mlp" | "output": mean mixing weight of each source [S]}
+    # (fp32, detached; sources: 0 = embedding, then the completed blocks, last = the partial block); None = no AttnRes
+    attnres: dict[str, Tensor] | None = None
 
 
 def _ce_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
@@ -477,16 +491,17 @@ class K3ForCausalLM(nn.Module):
     `labels` are aligned targets (labels[:, t] is the token to predict after input_ids[:, t]; -100 = ignore):
     the data pipeline shifts, because packed documents need per-position targets."""
 
-    def __init__(self, config: K3Config):
+    def __init__(self, config: K3Config, qat: bool = False):
         super().__init__()
         self.config = config
+        # How this model runs, fixed at construction: MXFP4 quantisation-aware training of the routed experts (and
+        # MXFP8 expert inputs), spec section 5. The trainer decides it from --qat; load_for_inference from the config.
+        self.qat = qat
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.attn_res:
             self.output_attn_res_norm = RMSNormWeight(config.hidden_size)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-        self.record_attnres = False
-        self.output_res_weights: Tensor | None = None
         if self.lm_head.weight.device.type != "meta":
             self.reset_parameters()
 
@@ -547,12 +562,17 @@ class K3ForCausalLM(nn.Module):
     # ---- run
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0,
-                loss_chunk: int = 0) -> CausalLMOutput:
+                loss_chunk: int = 0, record: bool = False, record_attnres: bool = False,
+                keep_inputs: bool = False) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
         must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update.
         logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last).
         loss_chunk: when > 0 and the batch has more tokens than that, the loss is computed chunk by chunk with
-        recomputed logits (`chunked_cross_entropy`) and the output's logits are None."""
+        recomputed logits (`chunked_cross_entropy`) and the output's logits are None.
+        record: the output's `router` holds every MoE layer's router scores and selection (for balancing, metrics).
+        record_attnres: the output's `attnres` holds the mean AttnRes mixing weights (when the config has AttnRes).
+        keep_inputs: every KDA state of `cache` gets this forward's per-token inputs (`KDAState.inputs`).
+        Nothing is left on any module: options come in as arguments, statistics go out in the CausalLMOutput."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -560,7 +580,8 @@ class K3ForCausalLM(nn.Module):
             bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)][0].item()
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.vocab_size})")
         B, T = input_ids.shape
-        ctx = ForwardContext(absorb=absorb, record=self.record_attnres)
+        ctx = ForwardContext(absorb=absorb, qat=self.qat, keep_inputs=keep_inputs, router=[] if record else None,
+                             attnres={} if record_attnres and c.attn_res else None)
         if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError("cu_seqlens (packed training batches) and a decode cache cannot be combined")
@@ -575,8 +596,6 @@ class K3ForCausalLM(nn.Module):
                                                                            device=seg.device).tril())[:, None]
         if cache is not None and len(cache.layers) != c.num_hidden_layers:
             raise ValueError(f"cache has {len(cache.layers)} layers, model has {c.num_hidden_layers}")
-        for layer in self.model.layers:
-            layer.res_weights = []
 
         dtype = self.lm_head.weight.dtype
         prefix = self.model.embed_tokens(input_ids).float()  # fp32 residual stream
@@ -585,10 +604,10 @@ class K3ForCausalLM(nn.Module):
             prefix, bank = layer(prefix, bank, dtype, ctx, cache.layers[i] if cache is not None else None)
         if c.attn_res:
             h = attnres_mix(bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight.view(-1),
-                            c.rms_norm_eps, return_weights=ctx.record)
-            if ctx.record:
+                            c.rms_norm_eps, return_weights=ctx.attnres is not None)
+            if ctx.attnres is not None:
                 h, w = h
-                self.output_res_weights = w.detach().float().flatten(1).mean(1)
+                ctx.attnres["output"] = w.detach().float().flatten(1).mean(1)
         else:
             h = prefix
         if logits_to_keep > 0:
@@ -602,21 +621,16 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"loss_chunk must be >= 0, got {loss_chunk}")
         if labels is not None and 0 < loss_chunk < B * T:
             loss = chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), loss_chunk)
-            return CausalLMOutput(logits=None, loss=loss)
+            return CausalLMOutput(logits=None, loss=loss, router=ctx.router, attnres=ctx.attnres)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)  # fp32 loss
-        return CausalLMOutput(logits=logits, loss=loss)
+        return CausalLMOutput(logits=logits, loss=loss, router=ctx.router, attnres=ctx.attnres)
 
     # ---- helpers
     def moe_layers(self) -> list[MoE]:
         return [l.block_sparse_moe for l in self.model.layers if hasattr(l, "block_sparse_moe")]
-
-    def set_qat(self, on: bool) -> None:
-        """MXFP4 quantisation-aware training of routed experts (and MXFP8 expert inputs), spec section 5."""
-        for m in self.moe_layers():
-            m.qat = on
 
 
 # ---------------------------------------------------------------------------- parameter counting

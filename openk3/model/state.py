@@ -18,14 +18,14 @@ class KDAState:
     """Per-layer KDA decode state: the recurrent state [B, H, K, V] fp32 and the conv tail
     [B, W-1, 3*H*K] (the last W-1 projected q|k|v inputs, before the conv).
 
-    With `keep_inputs` set, each forward also leaves its per-token inputs in `inputs`: "qkv" (the raw projections
+    A forward called with `keep_inputs=True` also leaves its per-token inputs in `inputs` (any other forward
+    leaves None there): "qkv" (the raw projections
     [B, T, 3*H*K] that feed the conv tail), "k" [B, T, H, K] and "v" [B, T, H, V] (after conv and SiLU), "g"
     [B, T, H, K] and "beta" [B, T, H] (fp32). Speculative decoding rolls the state back by recomputing an accepted
     prefix from them instead of copying the state per draft token (openk3/serve/cache.py `rollback_kda`)."""
 
     recurrent: Tensor
     conv: Tensor
-    keep_inputs: bool = False
     inputs: dict[str, Tensor] | None = None
 
     @classmethod

@@ -25,14 +25,19 @@ from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, ne
 
 
 class ModelRunner:
-    """Runs `model` (in eval mode, on its own device and dtype) over ragged batches of paged sequences."""
+    """Runs `model` (on its own device and dtype) over ragged batches of paged sequences.
+
+    The runner leaves the model's train/eval mode alone (it is the caller's; `load_for_inference` returns eval): every
+    forward runs under the engine's inference mode, and no K3 module behaves differently in train mode (no dropout,
+    no batch statistics; `recomputed` checks torch.is_grad_enabled(), not the mode)."""
 
     def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int):
-        self.model = model.eval()
+        self.model = model
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
         self.kda: list[KDAState] = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
+        self.speculating = False  # between begin_speculation and end_speculation: forwards keep the KDA inputs
 
     def new_states(self) -> list[KDAState]:
         """Zero KDA states for one sequence (batch 1), one per KDA layer."""
@@ -41,11 +46,12 @@ class ModelRunner:
     def forward(self, seqs: list[PagedSeq], kda: list[KDAState], tokens: list[list[int]],
                 logits_to_keep: int = 0) -> Tensor:
         """One forward of a ragged batch: row b appends tokens[b] (all rows the same count T) after its cached
-        seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V]."""
+        seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V].
+        While speculating, each KDA state's `inputs` holds this forward's per-token inputs (for `rollback`)."""
         T = len(tokens[0])
         cache = paged_cache(self.pool, kda, seqs, T)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep).logits
+        logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating).logits
         for s in seqs:
             s.length += T
         return logits.float()
@@ -61,12 +67,11 @@ class ModelRunner:
 
     # ---- speculative decoding
     def begin_speculation(self) -> list[KDAState]:
-        """The committed states, and every KDA layer keeps its per-token inputs from now on (for `rollback`).
-        The committed states are the tensors the layers hold now; forwards replace them, so no copy is needed."""
-        committed = [KDAState(s.recurrent, s.conv) for s in self.kda]
-        for s in self.kda:
-            s.keep_inputs = True
-        return committed
+        """The committed states; this runner's forwards ask the model for the per-token KDA inputs from now on (for
+        `rollback`). The committed states are the tensors the layers hold now; forwards replace them, so no copy is
+        needed."""
+        self.speculating = True
+        return [KDAState(s.recurrent, s.conv) for s in self.kda]
 
     def rollback(self, committed: list[KDAState], inputs: list[dict[str, Tensor]], keep_B: Tensor) -> None:
         """Set each layer's batch state to its committed state + the first keep_B[b] tokens of the round, from
@@ -75,5 +80,6 @@ class ModelRunner:
             rollback_kda(s, c, x, keep_B)
 
     def end_speculation(self) -> None:
+        self.speculating = False
         for s in self.kda:
-            s.keep_inputs, s.inputs = False, None
+            s.inputs = None

@@ -470,8 +470,9 @@ def autocast(args_dtype: str, device: torch.device):
 
 
 class RouterBalancer:
-    """Collects every MoE layer's router scores over the micro-batches of one optimizer step and, after the
-    step, sets the new `e_score_correction_bias` (used from the next step on). Also counts expert loads.
+    """Collects every MoE layer's router scores over the micro-batches of one optimizer step (from the forwards'
+    `record=True` outputs) and, after the step, sets the new `e_score_correction_bias` (used from the next step on).
+    Also counts expert loads.
 
     mode quantile: `balance.quantile_balance_exact` on all the step's scores (bins == 0) or a
     `balance.QuantileHistogram` per layer (bins > 0). mode sign: `balance.sign_update`. mode none: loads only."""
@@ -479,8 +480,6 @@ class RouterBalancer:
     def __init__(self, model: K3ForCausalLM, mode: str, bins: int, sign_rate: float):
         self.moes = model.moe_layers()
         self.mode, self.bins, self.sign_rate = mode, bins, sign_rate
-        for moe in self.moes:
-            moe.record = True
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -489,16 +488,19 @@ class RouterBalancer:
         self.hists = ([balance.QuantileHistogram(m.gate.e_score_correction_bias, m.gate.k, self.bins)
                        for m in self.moes] if self.mode == "quantile" and self.bins else None)
 
-    def after_forward(self) -> None:
-        """Read the router records of the micro-batch just run."""
-        for i, moe in enumerate(self.moes):
+    def after_forward(self, router: list[tuple[Tensor, Tensor]]) -> None:
+        """Take the router records of the micro-batch just run: `CausalLMOutput.router` of a `record=True` forward,
+        (scores, selected experts) per MoE layer."""
+        if len(router) != len(self.moes):
+            raise ValueError(f"router records for {len(router)} MoE layers, the model has {len(self.moes)}")
+        for i, (moe, (scores, idx)) in enumerate(zip(self.moes, router)):
             n = moe.gate.e_score_correction_bias.numel()
-            load = balance.expert_load(moe.last_idx, n)
+            load = balance.expert_load(idx, n)
             self.loads[i] = load if self.loads[i] is None else self.loads[i] + load
             if self.hists is not None:
-                self.hists[i].update(moe.last_scores)
+                self.hists[i].update(scores)
             elif self.mode == "quantile":
-                self.scores[i].append(moe.last_scores)
+                self.scores[i].append(scores)
 
     @torch.no_grad()
     def end_step(self) -> list[Tensor]:
@@ -662,15 +664,14 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     write_json(run_dir / ARGS_FILE, dataclasses.asdict(args))
 
     torch.manual_seed(args.seed)
+    qat = config.mxfp4_experts if args.qat is None else args.qat
     if init_dir is not None:  # parameters stay fp32 in training (--dtype bf16 is autocast)
-        model = load_pretrained(init_dir, dtype=torch.float32)
+        model = load_pretrained(init_dir, dtype=torch.float32, qat=qat)
         print(f"initialised from {init_dir}")
     else:
-        model = K3ForCausalLM(config)
+        model = K3ForCausalLM(config, qat=qat)
         model.reset_parameters(seed=args.seed)
     model.to(device)
-    qat = config.mxfp4_experts if args.qat is None else args.qat
-    model.set_qat(qat)
     lac = config.linear_attn_config
     opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                           head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
@@ -722,17 +723,19 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         stream.seq_len = seq_len_at(step, phases, args.seq_len)
         eval_now = data.val is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
         log_now = (step + 1) % args.log_every == 0 or step == 0 or step + 1 == end or eval_now
-        loss_sum = 0.0
+        loss_sum, attnres = 0.0, None
         for micro in range(args.grad_accum):
             # AttnRes weights are recorded on the last micro-batch of logged steps only (a cheap extra output).
-            model.record_attnres = log_now and micro == args.grad_accum - 1
+            record_attnres = log_now and micro == args.grad_accum - 1
             batch = next(stream).to(device)
             with autocast(args.dtype, device):
                 out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
-                            loss_chunk=args.loss_chunk)
+                            loss_chunk=args.loss_chunk, record=True, record_attnres=record_attnres)
             (out.loss / args.grad_accum).backward()
             loss_sum += out.loss.item()
-            balancer.after_forward()
+            balancer.after_forward(out.router)
+            if record_attnres:
+                attnres = out.attnres
             tokens_seen += batch.input_ids.numel()
             interval_tokens += batch.input_ids.numel()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -755,7 +758,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             record = {"step": step, "tokens": tokens_seen, "loss": loss, "lr": args.lr * lr_scale,
                       "grad_norm": grad_norm, "tokens_per_s": tok_s, "seq_len": stream.seq_len,
                       "elapsed_s": elapsed_before + time.time() - t_run, **router_metrics(model, loads),
-                      "attnres": attnres_metrics(model)}
+                      "attnres": attnres_metrics(attnres)}
             if eval_now:
                 ev = evaluate(model, data.val, data.tokenizer, batch_size=args.batch_size, seq_len=stream.seq_len,
                               max_tokens=args.eval_tokens, amp=args.dtype, loss_chunk=args.loss_chunk)
@@ -773,9 +776,6 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
 
             plots.plot_run(run_dir)  # 0.3 s
     bar.close()
-    model.record_attnres = False
-    for moe in model.moe_layers():
-        moe.record = False
 
     if args.sample and step == args.steps:
         ids = generate(model, data.tokenizer, args.sample_prompt, max_tokens=args.sample_tokens,
@@ -795,19 +795,13 @@ def router_metrics(model: K3ForCausalLM, loads: list[Tensor]) -> dict:
                             for i, l in zip(layers, loads)}}
 
 
-def attnres_metrics(model: K3ForCausalLM) -> dict | None:
-    """{"<layer>.attn" | "<layer>.mlp" | "output": mean mixing weight of each source} of the last recorded forward;
-    None when the config has no AttnRes. Sources: 0 = embedding, then the completed blocks, last = the partial block."""
-    if not model.config.attn_res:
+def attnres_metrics(attnres: dict[str, Tensor] | None) -> dict | None:
+    """{"<layer>.attn" | "<layer>.mlp" | "output": mean mixing weight of each source, rounded} from a forward's
+    `CausalLMOutput.attnres` (record_attnres=True); None when the config has no AttnRes. Sources: 0 = embedding, then
+    the completed blocks, last = the partial block. Layer 0 has nothing to mix before its mixer (no "0.attn")."""
+    if attnres is None:
         return None
-    out = {}
-    for layer in model.model.layers:
-        weights = layer.res_weights
-        names = ["attn", "mlp"] if len(weights) == 2 else ["mlp"]  # layer 0 has nothing to mix before its mixer
-        for name, w in zip(names, weights):
-            out[f"{layer.i}.{name}"] = [round(float(x), 4) for x in w]
-    out["output"] = [round(float(x), 4) for x in model.output_res_weights]
-    return out
+    return {name: [round(float(x), 4) for x in w] for name, w in attnres.items()}
 
 
 def print_summary(result: TrainResult, step: int, args: TrainArgs) -> None:

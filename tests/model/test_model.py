@@ -216,3 +216,60 @@ def test_meta_build_allocates_nothing():
     with torch.device("meta"):
         model = K3ForCausalLM(kimi_k3())
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def module_attributes(model: K3ForCausalLM) -> dict:
+    """Every module's attributes (the objects themselves) and every state_dict tensor's storage."""
+    attrs = {name: dict(vars(m)) for name, m in model.named_modules()}
+    tensors = {name: (t.data_ptr(), t.shape) for name, t in model.state_dict().items()}
+    return {"attrs": attrs, "tensors": tensors}
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    assert before["tensors"] == after["tensors"]
+    assert before["attrs"].keys() == after["attrs"].keys()
+    for name, attrs in before["attrs"].items():
+        assert attrs.keys() == after["attrs"][name].keys(), name
+        for k, v in attrs.items():
+            assert after["attrs"][name][k] is v, f"{name}.{k} was replaced by a forward"
+            if isinstance(v, dict):  # _parameters, _buffers, _modules, hooks: same contents
+                assert dict(v) == dict(after["attrs"][name][k]), f"{name}.{k}"
+
+
+def test_record_returns_router_stats_and_leaves_no_state():
+    """record=True returns, per MoE layer, exactly the scores and the selection `route` gives for that layer's input;
+    record_attnres=True every mix's mean weights. No forward (recording or not) leaves anything on a module."""
+    from openk3.ops.moe import route
+
+    c = tiny()
+    torch.manual_seed(7)
+    model = K3ForCausalLM(c)
+    randomise_attnres(model)
+    moes = model.moe_layers()
+    assert moes
+    with torch.no_grad():
+        for m in moes:
+            m.gate.e_score_correction_bias.normal_(std=0.1)  # a bias that changes the selection
+    ids = torch.randint(0, c.vocab_size, (2, 9))
+    before = module_attributes(model)
+    inputs = []
+    handles = [m.gate.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach())) for m in moes]
+    out = model(ids, record=True, record_attnres=True)
+    for h in handles:
+        h.remove()
+    assert out.router is not None and len(out.router) == len(moes) == len(inputs)
+    for m, x, (scores, idx) in zip(moes, inputs, out.router):
+        want_scores = torch.sigmoid(x.float() @ m.gate.weight.float().T)
+        assert torch.equal(scores, want_scores)
+        assert torch.equal(idx, route(want_scores, m.gate.e_score_correction_bias, c.num_experts_per_token))
+        assert not scores.requires_grad and idx.shape == (ids.numel(), c.num_experts_per_token)
+    names = [f"{l.i}.{n}" for l in model.model.layers for n in ("attn", "mlp") if l.i > 0 or n == "mlp"]
+    assert list(out.attnres) == names + ["output"]
+    for w in out.attnres.values():
+        assert torch.allclose(w.sum(), torch.tensor(1.0), atol=1e-5)
+    assert_unchanged(before, module_attributes(model))
+
+    plain = model(ids)
+    assert plain.router is None and plain.attnres is None
+    assert torch.equal(plain.logits, out.logits)  # recording changes no number
+    assert_unchanged(before, module_attributes(model))

@@ -144,8 +144,8 @@ def test_rollback_equals_running_only_the_kept_tokens():
     start.conv.normal_()
     keep = torch.tensor([0, 2, 5])
     with torch.no_grad():
-        state = KDAState(start.recurrent, start.conv, keep_inputs=True)
-        layer(x, state=state)
+        state = KDAState(start.recurrent, start.conv)
+        layer(x, state=state, keep_inputs=True)
         assert state.inputs["k"].shape == (B, T, 2, 16)
         rollback_kda(state, start, state.inputs, keep)
         for b, n in enumerate(keep.tolist()):

@@ -164,13 +164,14 @@ def test_qat_model_reloads_with_identical_logits(finished_run):
     run with fake quantisation; without fake quantisation the masters differ (the check can fail)."""
     ckpt = finished_run / "checkpoints/step_000006"
     loaded, tokenizer, _ = load_for_inference(finished_run)
-    master = K3ForCausalLM(loaded.config)
-    master.load_state_dict(torch.load(ckpt / "trainer_state.pt", weights_only=True)["model"])
+    weights = torch.load(ckpt / "trainer_state.pt", weights_only=True)["model"]
+    master, plain = K3ForCausalLM(loaded.config, qat=True), K3ForCausalLM(loaded.config, qat=False)
+    master.load_state_dict(weights)
+    plain.load_state_dict(weights)
     ids = torch.tensor([tokenizer.encode("def fnmatch(name, pat):\n    return name")])
-    master.set_qat(True)
+    assert loaded.qat and not loaded.training
     assert torch.equal(loaded(ids).logits, master(ids).logits)
-    master.set_qat(False)
-    assert not torch.equal(loaded(ids).logits, master(ids).logits)
+    assert not torch.equal(loaded(ids).logits, plain(ids).logits)
 
 
 # -------------------------------------------------------------------------------------- generate and eval
@@ -297,10 +298,10 @@ def test_balancer_uses_every_micro_batch(bins):
     balancer = RouterBalancer(model, "quantile", bins, 1e-3)
     scores = [[] for _ in model.moe_layers()]
     for ids in batches:
-        model(ids)
-        balancer.after_forward()
-        for i, moe in enumerate(model.moe_layers()):
-            scores[i].append(moe.last_scores)
+        router = model(ids, record=True).router
+        balancer.after_forward(router)
+        for i, (s, _) in enumerate(router):
+            scores[i].append(s)
     biases_before = [m.gate.e_score_correction_bias.clone() for m in model.moe_layers()]
     loads = balancer.end_step()
     for i, moe in enumerate(model.moe_layers()):
@@ -315,13 +316,11 @@ def test_balancer_uses_every_micro_batch(bins):
 def test_balance_none_and_sign():
     model, batches = _model_and_batches(2, 1)
     none = RouterBalancer(model, "none", 0, 1e-3)
-    model(batches[0])
-    none.after_forward()
+    none.after_forward(model(batches[0], record=True).router)
     loads = none.end_step()
     assert all(m.gate.e_score_correction_bias.abs().sum() == 0 for m in model.moe_layers())
     sign = RouterBalancer(model, "sign", 0, 0.01)
-    model(batches[0])
-    sign.after_forward()
+    sign.after_forward(model(batches[0], record=True).router)
     sign.end_step()
     for moe, load in zip(model.moe_layers(), loads):
         expected = 0.01 * torch.sign(load.double().mean() - load.double())
@@ -381,8 +380,7 @@ def test_init_from_starts_at_the_checkpoint_weights(workdir, finished_run):
     # the first step's loss is the loaded model's loss on the first batch
     data = prepare_data(args, result.run_dir)
     batch = next(RowStreams(data.train, 2, 32, seed=args.seed))
-    model = load_pretrained(src, dtype=torch.float32)
-    model.set_qat(model.config.mxfp4_experts)
+    model = load_pretrained(src, dtype=torch.float32, qat=K3Config.load(src / "config.json").mxfp4_experts)
     with torch.no_grad():
         expected = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
                          loss_chunk=args.loss_chunk).loss.item()
