@@ -9,8 +9,10 @@
 Two encodings, chosen from the tokenizer's special tokens by `chat_format_for`:
 - "xtml" (K3): `<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>`; tag names, attributes
   and all message text are plain-text segments, so user text spelling `<|open|>` is ordinary bytes.
-- "k2" (Kimi K2 / Kimi-Linear): `<|im_user|>user<|im_middle|>hi<|im_end|>`, the template the server writes today
-  (openk3/serve/server.py `encode_conversation`; a test checks the ids are the same).
+- "k2" (Kimi K2 / Kimi-Linear): `<|im_user|>user<|im_middle|>hi<|im_end|>`, for tokenizers with K2's names only.
+
+The server and `openk3 chat` use both through `render` + `encode_segments`, `chat_stop_ids` and `IdOutputParser`
+(generated ids -> ParsedOutput deltas in either format).
 
 Messages are OpenAI-style dicts: system (or developer), user (optional name), assistant (reasoning_content,
 content, tool_calls), tool (tool_call_id, content). Content is a string, None, or a list of parts
@@ -312,7 +314,7 @@ def _conversation(messages: list, thinking: bool) -> list[Segment]:
 
 def render_k2(messages: list, *, tools: list | None = None, add_generation_prompt: bool = True,
               **unsupported) -> list[Segment]:
-    """Kimi K2's template as segments: the same ids as openk3/serve/server.py `encode_conversation`."""
+    """Kimi K2's template as segments (docs/server.md, "The K2 template")."""
     bad = {k: v for k, v in unsupported.items() if v not in (None, True, "auto")}
     if bad:
         raise ValueError(f"the K2 chat format has no {sorted(bad)} option")
