@@ -694,8 +694,9 @@ def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict]
     try:
         prompt = chat.encode_segments(gen.tokenizer, chat.render(gen.chat_format, messages, **options))
     except ValueError as e:
+        thinking_field = "reasoning_effort" if body.reasoning_effort == "none" else "chat_template_kwargs.thinking"
         raise APIError(400, f"{e} (this model speaks the {gen.chat_format} chat format)",
-                       _field_of(str(e), effort_field), "invalid_request") from None
+                       _field_of(str(e), effort_field, thinking_field), "invalid_request") from None
     declared = bool(tools) and tool_choice != "none"
     return prompt, dict(thinking=thinking, tools_declared=declared)
 
@@ -703,7 +704,7 @@ def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict]
 _MESSAGE_INDEX = re.compile(r"^message (\d+)")
 
 
-def _field_of(message: str, effort_field: str | None) -> str | None:
+def _field_of(message: str, effort_field: str | None, thinking_field: str) -> str:
     """The request field a chat.py error names."""
     if m := _MESSAGE_INDEX.match(message):
         return f"messages.{m[1]}"
@@ -713,7 +714,7 @@ def _field_of(message: str, effort_field: str | None) -> str | None:
     if "effort" in message:
         return effort_field or "reasoning_effort"
     if "thinking" in message:
-        return "chat_template_kwargs.thinking" if effort_field is None else effort_field
+        return thinking_field
     return "messages"
 
 

@@ -600,8 +600,9 @@ def test_fuzzed_bodies_never_500(asgi, data):
 
 # ------------------------------------------------------------------------------------------ K3's XTML format served
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "number"}}}}}]
 # what the model writes after the generation prompt (<|open|>message role="assistant"<|sep|><|open|>think<|sep|>)
 XTML_COMPLETION = ('Hm, é.<|close|>think<|sep|><|open|>response<|sep|>Oslo ü…<|close|>response<|sep|>'
                    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
@@ -706,10 +707,9 @@ def test_chat_options_get_a_400_naming_the_field(xtml_server):
         (dict(ok, response_format={"type": "json_schema"}), "response_format"),
         (dict(ok, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
          "response_format.json_schema"),
-        (dict(ok, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
-                                                                 "tool_calls": [{"id": "a", "type": "function",
-                                                                                 "function": {"name": "f", "arguments": "{}"}}]},
-                            {"role": "tool", "tool_call_id": "b", "content": "x"}]), "messages.2"),
+        (dict(ok, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "b", "content": "x"}]), "messages.2"),
     ]
     with httpx.Client(timeout=TIMEOUT) as http:
         for body, param in cases:
@@ -717,7 +717,8 @@ def test_chat_options_get_a_400_naming_the_field(xtml_server):
             assert r.status_code == 400, (body, r.text)
             err = r.json()["error"]
             assert err["param"] == param, (body, err)
-        assert http.post(xtml_server.url + "/v1/chat/completions", json=dict(ok, response_format=schema)).status_code == 200
+        r = http.post(xtml_server.url + "/v1/chat/completions", json=dict(ok, response_format=schema))
+        assert r.status_code == 200, r.text
 
 
 def tiktoken_model_dir(path: Path, names: str) -> Path:
@@ -766,6 +767,13 @@ def test_a_tiktoken_model_serves_and_chats_in_its_format(tmp_path, capsys, names
             r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
                                                         "reasoning_effort": "high"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+            for field, value, param in [("reasoning_effort", "none", "reasoning_effort"),
+                                        ("chat_template_kwargs", {"thinking": False}, "chat_template_kwargs.thinking"),
+                                        ("tool_choice", "required", "tool_choice"),
+                                        ("response_format", {"type": "json_object"}, "response_format")]:
+                r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
+                                                            field: value})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
     parser = argparse.ArgumentParser()
     engine_commands(parser.add_subparsers(dest="command"))
