@@ -754,14 +754,16 @@ def test_a_tiktoken_model_serves_and_chats_in_its_format(tmp_path, capsys, names
     end = "<|end_of_msg|>" if fmt == "xtml" else "<|im_end|>"
     assert chat_stop_ids(tok) == tuple(sorted({tok.token_id(end), tok.eos_id}))
     engine = make_engine(model)
-    answer = "<|close|>think<|sep|><|open|>response<|sep|>hello<|close|>response<|sep|>" if fmt == "xtml" else "hello"
+    answer = "r<|close|>think<|sep|><|open|>response<|sep|>hello<|close|>response<|sep|>" if fmt == "xtml" else \
+        "<think>r</think>hello"
     prompts = scripted(engine, tok.encode(answer + end, allow_special=True))
     messages = [{"role": "user", "content": "hello"}]
     with TestClient(create_app(engine, tok, NAME, max_context=MAX_CONTEXT)) as http:
         r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 40})
         assert r.status_code == 200, r.text
         assert prompts[-1] == encode_conversation(tok, messages)
-        assert r.json()["choices"][0]["message"]["content"] == "hello"
+        message = r.json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("r", "hello")
         assert r.json()["choices"][0]["finish_reason"] == "stop"
         if fmt == "k2":  # K2's template has no thinking-effort message
             r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
