@@ -44,6 +44,8 @@ from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
+from openk3.text.chat import (EFFORTS, END, IdOutputParser, chat_format_for, chat_stop_ids, encode_segments,
+                              render)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -521,43 +523,6 @@ def early_exit_draft(model: K3ForCausalLM, n_layers: int) -> K3ForCausalLM:
     return draft.eval()
 
 
-# ------------------------------------------------------------------------------------------ chat encoding
-
-ROLE_TOKENS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>",
-               "tool": "<|im_system|>"}
-
-
-def encode_message(tokenizer, role: str, content: str) -> list[int]:
-    """One message in Kimi's chat format: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|> (K2's template; tool
-    results use the system role token with the name "tool"). Content is encoded as plain text, so a special-token
-    string inside it can never act as one."""
-    if role not in ROLE_TOKENS:
-        raise ValueError(f"unknown chat role {role!r}; expected one of {sorted(ROLE_TOKENS)}")
-    return ([tokenizer.token_id(ROLE_TOKENS[role])] + tokenizer.encode(role)
-            + [tokenizer.token_id("<|im_middle|>")] + tokenizer.encode(content) + [tokenizer.token_id("<|im_end|>")])
-
-
-def assistant_header(tokenizer) -> list[int]:
-    """What the model continues from to write an assistant message: <|im_assistant|>assistant<|im_middle|>."""
-    return ([tokenizer.token_id("<|im_assistant|>")] + tokenizer.encode("assistant")
-            + [tokenizer.token_id("<|im_middle|>")])
-
-
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """A conversation [{"role": ..., "content": ...}, ...] as prompt ids, ending with the assistant header."""
-    ids = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        ids += encode_message(tokenizer, m["role"], m["content"])
-    return ids + (assistant_header(tokenizer) if add_generation_prompt else [])
-
-
-def chat_stop_ids(tokenizer) -> tuple[int, ...]:
-    """An assistant message ends at <|im_end|> (or the tokenizer's eos, if that is another token)."""
-    return tuple(sorted({tokenizer.token_id("<|im_end|>"), tokenizer.eos_id}))
-
-
 # ------------------------------------------------------------------------------------------ commands
 
 def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None:
@@ -565,6 +530,10 @@ def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None
     parser.add_argument("--model", required=True, help="model directory or run directory (its latest checkpoint)")
     if chat:
         parser.add_argument("--system", default=None, help="a system message to start the conversation with")
+        parser.add_argument("--effort", choices=EFFORTS, default=None,
+                            help="thinking effort (K3's XTML format: writes the thinking-effort system message)")
+        parser.add_argument("--no-thinking", action="store_true",
+                            help="K3's XTML format: no think channel; the model answers at once")
     else:
         parser.add_argument("--prompt", required=True, help="text to continue (after [BOS])")
         parser.add_argument("--json", action="store_true", help="print JSON: token ids, text, finish reason, timing")
@@ -661,12 +630,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.exit(f"openk3 generate: error: {req.error}")
 
 
+def _chat_options(args: argparse.Namespace, fmt: str) -> dict:
+    if fmt == "k2":
+        if args.effort is not None or args.no_thinking:
+            raise ValueError("--effort and --no-thinking need a model speaking K3's XTML chat format; this one "
+                             "speaks K2's")
+        return {}
+    if args.effort is not None and args.no_thinking:
+        raise ValueError("--effort guides the thinking channel; it cannot go with --no-thinking")
+    return {"thinking": not args.no_thinking}
+
+
 def cmd_chat(args: argparse.Namespace, read=input) -> None:
-    """`openk3 chat --model DIR`: multi-turn chat; the conversation is kept as token ids (the assistant's exactly
-    as generated), so each turn's prompt extends the last and the prefix cache resumes at the end of that turn."""
+    """`openk3 chat --model DIR`: multi-turn chat in the model's chat format (`chat_format_for`: K3's XTML or K2's);
+    the conversation is kept as token ids (the assistant's exactly as generated), so each turn's prompt extends the
+    last and the prefix cache resumes at the end of that turn. Reasoning is shown before the answer."""
     engine, tokenizer = _engine_from_args(args)
-    end = tokenizer.token_id("<|im_end|>")
-    history = encode_message(tokenizer, "system", args.system) if args.system else []
+    fmt = chat_format_for(tokenizer)
+    options = _chat_options(args, fmt)
+    stops = chat_stop_ids(tokenizer)
+    end = tokenizer.token_id(END if fmt == "xtml" else "<|im_end|>")
+
+    def encode(messages: list[dict], **kw) -> list[int]:
+        return encode_segments(tokenizer, render(fmt, messages, **kw))
+
+    history = encode([{"role": "system", "content": args.system}], add_generation_prompt=False) if args.system else []
+    if args.effort is not None:  # the thinking-effort system message comes before the conversation
+        history = encode([], effort=args.effort, add_generation_prompt=False) + history
     print("openk3 chat: an empty line, Ctrl-D or Ctrl-C ends the conversation.")
     try:
         while True:
@@ -676,10 +666,10 @@ def cmd_chat(args: argparse.Namespace, read=input) -> None:
                 break
             if not line.strip():
                 break
-            prompt = history + encode_message(tokenizer, "user", line) + assistant_header(tokenizer)
-            req = engine.submit(prompt, _params(args, chat_stop_ids(tokenizer)))
+            prompt = history + encode([{"role": "user", "content": line}], **options)
+            req = engine.submit(prompt, _params(args, stops))
             sys.stdout.write("k3> ")
-            _stream(engine, req, tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+            _stream_chat(engine, req, IdOutputParser(tokenizer, fmt, **options))
             if req.error is not None:  # the conversation goes on without this turn
                 print(f"\n[error: {req.error}]")
                 continue
@@ -689,3 +679,28 @@ def cmd_chat(args: argparse.Namespace, read=input) -> None:
     except KeyboardInterrupt:  # Ctrl-C while typing or while the model writes: leave as a shell program does
         print("\nopenk3 chat: interrupted")
         sys.exit(130)  # 128 + SIGINT
+
+
+def _stream_chat(engine: Engine, req: Request, parser: IdOutputParser) -> None:
+    """Step the engine until `req` is done, writing its reasoning (in brackets), answer and tool calls as parsed."""
+    def write(s: str) -> None:
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    seen, state = 0, "start"
+    while not req.finished:
+        engine.step()
+        ids = req.completion_ids if req.finished else req.output
+        parsed = parser.feed(ids[seen:])
+        seen = len(ids)
+        if req.finished:
+            parsed += parser.finish()
+        if parsed.reasoning_content:
+            write(("[thinking] " if state == "start" else "") + parsed.reasoning_content)
+            state = "thinking"
+        if parsed.content:
+            write(("\n[answer] " if state == "thinking" else "") + parsed.content)
+            state = "answer"
+        for call in parsed.tool_calls:
+            write(f"\n[tool call] {call['function']['name']}({call['function']['arguments']})")
+            state = "answer"

@@ -13,19 +13,10 @@ its prompt and waits on its own asyncio queue, which the engine thread fills thr
 So all concurrent requests share one continuous batch and one prefix cache. A client that disconnects is cancelled
 in the engine (its pages and prefix-cache pins are freed at the next step).
 
-The chat template is Kimi K2's, with the same roles and special tokens for every model (docs/server.md):
-
-    <|im_system|>tool_declare<|im_middle|>[{tool definitions as JSON}]<|im_end|>     (only when tools are given)
-    <|im_system|>system<|im_middle|>{content}<|im_end|>
-    <|im_user|>user<|im_middle|>{content}<|im_end|>
-    <|im_assistant|>assistant<|im_middle|>[<think>{reasoning_content}</think>]{content}
-        [<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>
-         ...<|tool_calls_section_end|>]<|im_end|>
-    <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\n{content}<|im_end|>
-    <|im_assistant|>assistant<|im_middle|>                                           (the generation prompt)
-
-Generated ids are split back the same way (`OutputParser`): a leading <think> ... </think> is `reasoning_content`,
-a tool-call section becomes `tool_calls` (id "functions.NAME:IDX" names the function NAME), the rest is `content`.
+The chat format is picked once per model from its tokenizer (`openk3.text.chat.chat_format_for`): K3's XTML when
+it has K3's markers (the release, and every BPE trained here), else Kimi K2's template (docs/server.md). Prompts are
+rendered by `openk3.text.chat.render` + `encode_segments`; generation stops at <|end_of_msg|> (XTML) or <|im_end|>
+(K2); the output is split back into `reasoning_content`, `content` and `tool_calls` by `IdOutputParser`.
 """
 
 from __future__ import annotations
@@ -57,8 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
-from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg,
-                                 assistant_header, chat_stop_ids, encode_message, set_threads)
+from openk3.serve.engine import Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg, set_threads
+from openk3.text import chat
 
 log = logging.getLogger("openk3.serve.server")
 
@@ -78,139 +69,6 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# ------------------------------------------------------------------------------------------ the chat template
-
-def _block(tokenizer, role_token: str, name: str, body: str) -> list[int]:
-    """<role_token>{name}<|im_middle|>{body}<|im_end|>, the body encoded as plain text (no special tokens)."""
-    return ([tokenizer.token_id(role_token)] + tokenizer.encode(name) + [tokenizer.token_id("<|im_middle|>")]
-            + tokenizer.encode(body) + [tokenizer.token_id("<|im_end|>")])
-
-
-def encode_assistant(tokenizer, content: str, reasoning: str | None = None,
-                     tool_calls: list[dict] | None = None) -> list[int]:
-    """A past assistant turn: header, <think>reasoning</think> if there was reasoning, the content, the tool-call
-    section if there were tool calls ({"id", "function": {"name", "arguments"}} each), <|im_end|>."""
-    tid = tokenizer.token_id
-    ids = assistant_header(tokenizer)
-    if reasoning:
-        ids += [tid("<think>")] + tokenizer.encode(reasoning) + [tid("</think>")]
-    ids += tokenizer.encode(content)
-    if tool_calls:
-        ids.append(tid("<|tool_calls_section_begin|>"))
-        for i, call in enumerate(tool_calls):
-            call_id = call.get("id") or f"functions.{call['function']['name']}:{i}"
-            ids += ([tid("<|tool_call_begin|>")] + tokenizer.encode(call_id) + [tid("<|tool_call_argument_begin|>")]
-                    + tokenizer.encode(call["function"]["arguments"]) + [tid("<|tool_call_end|>")])
-        ids.append(tid("<|tool_calls_section_end|>"))
-    return ids + [tid("<|im_end|>")]
-
-
-def message_text(content: str | list[dict] | None) -> str:
-    """OpenAI content: a string, None, or a list of {"type": "text", "text": ...} parts (joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content)
-
-
-def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """OpenAI-style messages (dicts) + tool definitions -> prompt ids ending with the generation prompt (the
-    template in the module docstring). Roles: system (or developer), user, assistant, tool."""
-    ids = _block(tokenizer, "<|im_system|>", "tool_declare", json.dumps(tools, ensure_ascii=False)) if tools else []
-    for m in messages:
-        role, text = m["role"], message_text(m.get("content"))
-        if role == "assistant":
-            ids += encode_assistant(tokenizer, text, m.get("reasoning_content"), m.get("tool_calls"))
-        elif role == "tool":
-            ids += _block(tokenizer, "<|im_system|>", "tool", f"## Return of {m['tool_call_id']}\n{text}")
-        else:
-            ids += encode_message(tokenizer, "system" if role == "developer" else role, text)
-    return ids + assistant_header(tokenizer)
-
-
-def function_name(call_id: str) -> str:
-    """K2's tool-call id "functions.NAME:IDX" -> NAME (an id of another form is its own name)."""
-    name = call_id.strip()
-    if name.startswith("functions."):
-        name = name[len("functions."):]
-    head, sep, tail = name.rpartition(":")
-    return head if sep and tail.isdigit() else name
-
-
-class OutputParser:
-    """Splits generated ids into reasoning, content and tool calls as they arrive. Prefix-stable: feeding more ids
-    only appends to the three parts, so a stream can send differences.
-
-    The states, in order: start -> (<think>) reasoning -> (</think>) content -> (section begin) tools -> content.
-    Reasoning exists only if the output starts with <think>. Other special tokens are dropped from the text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        tid = tokenizer.token_id
-        self.think, self.end_think = tid("<think>"), tid("</think>")
-        self.section_begin, self.section_end = tid("<|tool_calls_section_begin|>"), tid("<|tool_calls_section_end|>")
-        self.call_begin, self.call_end = tid("<|tool_call_begin|>"), tid("<|tool_call_end|>")
-        self.arg_begin = tid("<|tool_call_argument_begin|>")
-        self.state = "start"
-        self.reasoning_ids: list[int] | None = None
-        self.content_ids: list[int] = []
-        self.tool_ids: list[int] = []
-
-    def feed(self, ids: list[int]) -> None:
-        for t in ids:
-            if self.state == "start":
-                self.state = "content"
-                if t == self.think:
-                    self.state, self.reasoning_ids = "reasoning", []
-                    continue
-            if self.state == "reasoning":
-                if t == self.end_think:
-                    self.state = "content"
-                else:
-                    self.reasoning_ids.append(t)
-            elif self.state == "content" and t == self.section_begin:
-                self.state = "tools"
-            elif self.state == "tools":
-                if t == self.section_end:
-                    self.state = "after_tools"
-                else:
-                    self.tool_ids.append(t)
-            else:
-                self.content_ids.append(t)
-
-    @property
-    def reasoning(self) -> str | None:
-        if self.reasoning_ids is None:
-            return None
-        return self.tokenizer.decode(self.reasoning_ids, skip_special=True)
-
-    @property
-    def content(self) -> str:
-        return self.tokenizer.decode(self.content_ids, skip_special=True)
-
-    @property
-    def tool_calls(self) -> list[dict]:
-        """The complete calls so far, in OpenAI's form ({"id", "type": "function", "function": {...}})."""
-        calls, header, args, part = [], [], [], None
-        for t in self.tool_ids:
-            if t == self.call_begin:
-                header, args, part = [], [], "header"
-            elif t == self.arg_begin and part == "header":
-                part = "args"
-            elif t == self.call_end and part == "args":
-                call_id = self.tokenizer.decode(header, skip_special=True).strip()
-                calls.append({"id": call_id, "type": "function",
-                              "function": {"name": function_name(call_id),
-                                           "arguments": self.tokenizer.decode(args, skip_special=True)}})
-                part = None
-            elif part == "header":
-                header.append(t)
-            elif part == "args":
-                args.append(t)
-        return calls
 
 
 class TextDiff:
@@ -365,11 +223,62 @@ class _Generate(_Body):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None  # {"name", "schema": {...}, "strict", "description"}, as OpenAI's
+
+    @field_validator("json_schema")
+    @classmethod
+    def _has_schema(cls, json_schema: dict | None) -> dict | None:
+        _unicode_only(json_schema)
+        if json_schema is not None and not isinstance(json_schema.get("schema"), dict):
+            raise ValueError('must hold the JSON Schema as {"schema": {...}}')
+        return json_schema
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+
+Effort = Literal[chat.EFFORTS]
+
+
+class ChatTemplateKwargs(_Body):
+    thinking: bool | None = None
+    thinking_effort: Effort | None = None
+
+
 class ChatRequest(_Generate):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal[("none", *chat.EFFORTS)] | None = None  # "none": thinking off
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    response_format: ResponseFormat | None = None
+
+    def thinking(self) -> tuple[bool, str | None, str | None]:
+        """(thinking on, its effort or None, the field that set the effort): from chat_template_kwargs, else
+        reasoning_effort; the two must agree."""
+        kw = self.chat_template_kwargs or ChatTemplateKwargs()
+        effort, field = None, None
+        if self.reasoning_effort not in (None, "none"):
+            effort, field = self.reasoning_effort, "reasoning_effort"
+        if kw.thinking_effort is not None:
+            if effort is not None and effort != kw.thinking_effort:
+                raise APIError(400, f"reasoning_effort={effort!r} and chat_template_kwargs.thinking_effort="
+                                    f"{kw.thinking_effort!r} disagree", "chat_template_kwargs.thinking_effort")
+            effort, field = kw.thinking_effort, "chat_template_kwargs.thinking_effort"
+        thinking = kw.thinking if kw.thinking is not None else self.reasoning_effort != "none"
+        if not thinking and (effort is not None or self.reasoning_effort not in (None, "none")):
+            raise APIError(400, f"{field or 'reasoning_effort'}={effort!r} needs thinking on, but "
+                                f"chat_template_kwargs.thinking is false", field or "reasoning_effort")
+        if kw.thinking is True and self.reasoning_effort == "none":
+            raise APIError(400, "reasoning_effort='none' turns thinking off, but chat_template_kwargs.thinking is "
+                                "true", "reasoning_effort")
+        return thinking, effort, field
 
 
 class CompletionRequest(_Generate):
@@ -736,7 +645,8 @@ class Generation:
     def __init__(self, tokenizer, model_name: str, max_context: int, metrics: Metrics):
         self.tokenizer, self.model_name, self.max_context, self.metrics = tokenizer, model_name, max_context, metrics
         self.end_of_text = (tokenizer.eos_id,)
-        self.chat_stops = chat_stop_ids(tokenizer)
+        self.chat_format = chat.chat_format_for(tokenizer)  # once per model: "xtml" or "k2"
+        self.chat_stops = chat.chat_stop_ids(tokenizer)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -766,64 +676,111 @@ class Generation:
             raise APIError(400, str(e), param, "invalid_prompt") from None
 
 
-def chat_finish(req: Request, parser: OutputParser) -> str:
-    return "tool_calls" if req.finish_reason == "stop" and parser.tool_calls else req.finish_reason
+def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict]:
+    """The request's prompt ids (chat.render + encode_segments in the model's format) and the parser's options.
+    chat.py's ValueError (naming the message index or the option) is the client's: a 400 naming that field."""
+    thinking, effort, effort_field = body.thinking()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tool_choice = body.tool_choice
+    response_format = body.response_format.model_dump(exclude_none=True) if body.response_format else None
+    if response_format is not None and response_format["type"] == "text":
+        response_format = None
+    if gen.chat_format == "k2" and tool_choice == "none":
+        tools, tool_choice = None, None  # K2 has no tool-choice message: undeclared tools are not called
+    options = dict(tools=tools, tool_choice=tool_choice, response_format=response_format)
+    if gen.chat_format == "xtml" or not thinking or effort is not None:  # K2 refuses both: a 400 naming them
+        options.update(thinking=thinking, effort=effort)
+    messages = [m.model_dump(exclude_none=True, exclude={"tool_calls": {"__all__": {"index"}}}) for m in body.messages]
+    try:
+        prompt = chat.encode_segments(gen.tokenizer, chat.render(gen.chat_format, messages, **options))
+    except ValueError as e:
+        thinking_field = "reasoning_effort" if body.reasoning_effort == "none" else "chat_template_kwargs.thinking"
+        raise APIError(400, f"{e} (this model speaks the {gen.chat_format} chat format)",
+                       _field_of(str(e), effort_field, thinking_field), "invalid_request") from None
+    declared = bool(tools) and tool_choice != "none"
+    return prompt, dict(thinking=thinking, tools_declared=declared)
+
+
+_MESSAGE_INDEX = re.compile(r"^message (\d+)")
+
+
+def _field_of(message: str, effort_field: str | None, thinking_field: str) -> str:
+    """The request field a chat.py error names."""
+    if m := _MESSAGE_INDEX.match(message):
+        return f"messages.{m[1]}"
+    for key in ("tool_choice", "response_format", "tools"):
+        if key in message:
+            return key
+    if "effort" in message:
+        return effort_field or "reasoning_effort"
+    if "thinking" in message:
+        return thinking_field
+    return "messages"
+
+
+def chat_finish(req: Request, n_calls: int) -> str:
+    return "tool_calls" if req.finish_reason == "stop" and n_calls else req.finish_reason
 
 
 async def chat_completion(gen: Generation, body: ChatRequest, request: HTTPRequest) -> Response:
-    """POST /v1/chat/completions: the conversation through the chat template, the output parsed back into
+    """POST /v1/chat/completions: the conversation rendered in the model's chat format, the output parsed back into
     reasoning, content and tool calls; one JSON body, or chunks of differences as server-sent events."""
     gen.check_model(body.model)
     tokenizer, model_name, metrics = gen.tokenizer, gen.model_name, gen.metrics
-    tools = None
-    if body.tools and body.tool_choice != "none":
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
     # NOTE: rendering and tokenising a long conversation takes seconds: off the event loop, so that every other
     # client (and /health) is answered meanwhile
-    prompt = await run_in_threadpool(encode_conversation, tokenizer,
-                                     [m.model_dump(exclude_none=True) for m in body.messages], tools)
+    prompt, parse_options = await run_in_threadpool(render_request, gen, body)
     params = gen.sampling(body, len(prompt), gen.chat_stops, "messages")
     req, queue = gen.submit(request, prompt, params, body.cache_salt, "messages")
     rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
-    parser = OutputParser(tokenizer)
+    parser = chat.IdOutputParser(tokenizer, gen.chat_format, **parse_options)
 
     def chunk(delta: dict, finish: str | None = None) -> str:
         return event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
 
     if not body.stream:
+        parsed = chat.ParsedOutput()
         async for out in outputs(request, req, queue, watch_disconnect=True):
-            parser.feed(visible(out))
+            parsed += parser.feed(visible(out))
         if not req.finished:  # the client left
             return Response(status_code=499)
+        parsed += parser.finish()
         metrics.finished("chat", req)
-        message = {"role": "assistant", "content": parser.content}
-        if parser.reasoning is not None:
-            message["reasoning_content"] = parser.reasoning
-        if parser.tool_calls:
-            message["tool_calls"] = parser.tool_calls
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning_content:
+            message["reasoning_content"] = parsed.reasoning_content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                              "choices": [{"index": 0, "message": message, "logprobs": None,
-                                          "finish_reason": chat_finish(req, parser)}],
+                                          "finish_reason": chat_finish(req, len(parsed.tool_calls))}],
                              "usage": usage(req)})
 
     async def events():
-        reasoning_diff, content_diff = TextDiff(), TextDiff()
+        n_calls = 0
+
+        def delta_of(parsed: chat.ParsedOutput) -> dict:
+            nonlocal n_calls
+            delta = {}
+            if parsed.reasoning_content:
+                delta["reasoning_content"] = parsed.reasoning_content
+            if parsed.content:
+                delta["content"] = parsed.content
+            if parsed.tool_calls:  # each call whole, once complete, with its index (as OpenAI's deltas carry)
+                delta["tool_calls"] = [dict(c, index=n_calls + i) for i, c in enumerate(parsed.tool_calls)]
+                n_calls += len(parsed.tool_calls)
+            return delta
+
         yield chunk({"role": "assistant", "content": ""})
         async for out in outputs(request, req, queue, watch_disconnect=False):
-            parser.feed(visible(out))
-            final = out.finish_reason is not None
-            delta = {}
-            if parser.reasoning is not None and (new := reasoning_diff.update(parser.reasoning, final)):
-                delta["reasoning_content"] = new
-            if new := content_diff.update(parser.content, final):
-                delta["content"] = new
-            if delta:
+            parsed = parser.feed(visible(out))
+            if out.finish_reason is not None:
+                parsed += parser.finish()
+            if delta := delta_of(parsed):
                 yield chunk(delta)
         metrics.finished("chat", req)
-        calls = parser.tool_calls
-        yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]} if calls else {},
-                    chat_finish(req, parser))
+        yield chunk({}, chat_finish(req, n_calls))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                          "choices": [], "usage": usage(req)})

@@ -9,8 +9,10 @@
 Two encodings, chosen from the tokenizer's special tokens by `chat_format_for`:
 - "xtml" (K3): `<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>`; tag names, attributes
   and all message text are plain-text segments, so user text spelling `<|open|>` is ordinary bytes.
-- "k2" (Kimi K2 / Kimi-Linear): `<|im_user|>user<|im_middle|>hi<|im_end|>`, the template the server writes today
-  (openk3/serve/server.py `encode_conversation`; a test checks the ids are the same).
+- "k2" (Kimi K2 / Kimi-Linear): `<|im_user|>user<|im_middle|>hi<|im_end|>`, for tokenizers with K2's names only.
+
+The server and `openk3 chat` use both through `render` + `encode_segments`, `chat_stop_ids` and `IdOutputParser`
+(generated ids -> ParsedOutput deltas in either format).
 
 Messages are OpenAI-style dicts: system (or developer), user (optional name), assistant (reasoning_content,
 content, tool_calls), tool (tool_call_id, content). Content is a string, None, or a list of parts
@@ -312,7 +314,7 @@ def _conversation(messages: list, thinking: bool) -> list[Segment]:
 
 def render_k2(messages: list, *, tools: list | None = None, add_generation_prompt: bool = True,
               **unsupported) -> list[Segment]:
-    """Kimi K2's template as segments: the same ids as openk3/serve/server.py `encode_conversation`."""
+    """Kimi K2's template as segments (docs/server.md, "The K2 template")."""
     bad = {k: v for k, v in unsupported.items() if v not in (None, True, "auto")}
     if bad:
         raise ValueError(f"the K2 chat format has no {sorted(bad)} option")
@@ -639,6 +641,162 @@ def parse_output_ids(tokenizer, ids: list[int], **options) -> ParsedOutput:
     out += parser._take()
     out += parser.finish()
     return out
+
+
+def chat_stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end an assistant message: <|end_of_msg|> (XTML) or <|im_end|> (K2), and the tokenizer's eos."""
+    end = END if chat_format_for(tokenizer) == "xtml" else "<|im_end|>"
+    return tuple(sorted({tokenizer.token_id(end), tokenizer.eos_id}))
+
+
+def function_name(call_id: str) -> str:
+    """K2's tool-call id "functions.NAME:IDX" -> NAME (an id of another form is its own name)."""
+    name = call_id.strip()
+    if name.startswith("functions."):
+        name = name[len("functions."):]
+    head, sep, tail = name.rpartition(":")
+    return head if sep and tail.isdigit() else name
+
+
+class K2OutputParser:
+    """Splits K2-format generated ids into reasoning, content and tool calls as they arrive. Prefix-stable: feeding
+    more ids only appends to the three parts.
+
+    The states, in order: start -> (<think>) reasoning -> (</think>) content -> (section begin) tools -> content.
+    Reasoning exists only if the output starts with <think>. Other special tokens are dropped from the text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        tid = tokenizer.token_id
+        self.think, self.end_think = tid("<think>"), tid("</think>")
+        self.section_begin, self.section_end = tid("<|tool_calls_section_begin|>"), tid("<|tool_calls_section_end|>")
+        self.call_begin, self.call_end = tid("<|tool_call_begin|>"), tid("<|tool_call_end|>")
+        self.arg_begin = tid("<|tool_call_argument_begin|>")
+        self.state = "start"
+        self.reasoning_ids: list[int] | None = None
+        self.content_ids: list[int] = []
+        self.tool_ids: list[int] = []
+
+    def feed(self, ids: list[int]) -> None:
+        for t in ids:
+            if self.state == "start":
+                self.state = "content"
+                if t == self.think:
+                    self.state, self.reasoning_ids = "reasoning", []
+                    continue
+            if self.state == "reasoning":
+                if t == self.end_think:
+                    self.state = "content"
+                else:
+                    self.reasoning_ids.append(t)
+            elif self.state == "content" and t == self.section_begin:
+                self.state = "tools"
+            elif self.state == "tools":
+                if t == self.section_end:
+                    self.state = "after_tools"
+                else:
+                    self.tool_ids.append(t)
+            else:
+                self.content_ids.append(t)
+
+    @property
+    def reasoning(self) -> str | None:
+        if self.reasoning_ids is None:
+            return None
+        return self.tokenizer.decode(self.reasoning_ids, skip_special=True)
+
+    @property
+    def content(self) -> str:
+        return self.tokenizer.decode(self.content_ids, skip_special=True)
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The complete calls so far, in OpenAI's form ({"id", "type": "function", "function": {...}})."""
+        calls, header, args, part = [], [], [], None
+        for t in self.tool_ids:
+            if t == self.call_begin:
+                header, args, part = [], [], "header"
+            elif t == self.arg_begin and part == "header":
+                part = "args"
+            elif t == self.call_end and part == "args":
+                call_id = self.tokenizer.decode(header, skip_special=True).strip()
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": function_name(call_id),
+                                           "arguments": self.tokenizer.decode(args, skip_special=True)}})
+                part = None
+            elif part == "header":
+                header.append(t)
+            elif part == "args":
+                args.append(t)
+        return calls
+
+
+def _grown(old: str, new: str, final: bool) -> str:
+    """What `new` adds to `old`, holding back a trailing U+FFFD (a character whose bytes are still coming)."""
+    if (new.endswith("\ufffd") and not final) or not new.startswith(old):
+        return ""
+    return new[len(old):]
+
+
+class IdOutputParser:
+    """Generated ids -> ParsedOutput deltas, for either format: `feed(ids)` returns what those ids complete,
+    `finish()` the rest. XTML: only marker ids act as markers (as `parse_output_ids`), and a run of text ids is
+    held until its bytes are whole characters. K2: `K2OutputParser`, its growing parts sent as differences."""
+
+    def __init__(self, tokenizer, fmt: str, *, thinking: bool = True, tools_declared: bool = True):
+        self.tokenizer, self.fmt = tokenizer, fmt
+        if fmt == "xtml":
+            self._xtml = OutputParser(thinking=thinking, tools_declared=tools_declared)
+            self._markers = {tokenizer.token_id(m): m for m in XTML_MARKERS}
+            self._run: list[int] = []
+        else:
+            self._k2 = K2OutputParser(tokenizer)
+            self._sent = ["", "", 0]  # reasoning, content, tool calls
+
+    def feed(self, ids: list[int]) -> ParsedOutput:
+        return self._step(ids, final=False)
+
+    def finish(self) -> ParsedOutput:
+        return self._step([], final=True)
+
+    def _step(self, ids: list[int], final: bool) -> ParsedOutput:
+        if self.fmt != "xtml":
+            return self._k2_step(ids, final)
+        p = self._xtml
+        for i in ids:
+            if i in self._markers:
+                self._flush(True)
+                p._token("marker", self._markers[i])
+            else:
+                self._run.append(i)
+        self._flush(final)
+        out = p._take()
+        if final:
+            out += p.finish()
+        return out
+
+    def _flush(self, final: bool) -> None:
+        if not self._run:
+            return
+        text = self.tokenizer.decode(self._run, skip_special=True)
+        if text.endswith("\ufffd") and not final:
+            return
+        self._run = []
+        if text:
+            self._xtml._token("text", text)
+
+    def _k2_step(self, ids: list[int], final: bool) -> ParsedOutput:
+        k2, sent = self._k2, self._sent
+        k2.feed(ids)
+        out = ParsedOutput()
+        if k2.reasoning is not None:
+            out.reasoning_content = _grown(sent[0], k2.reasoning, final)
+            sent[0] += out.reasoning_content
+        out.content = _grown(sent[1], k2.content, final)
+        sent[1] += out.content
+        calls = k2.tool_calls
+        out.tool_calls, sent[2] = calls[sent[2]:], len(calls)
+        return out
 
 
 # ------------------------------------------------------------------------------------------ `openk3 render`

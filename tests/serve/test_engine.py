@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from openk3.model import K3ForCausalLM
 from openk3.model.checkpoint import save_pretrained
 from openk3.serve.cache import PagePool
-from openk3.serve.engine import (Engine, EngineConfig, SamplingParams, chat_stop_ids, early_exit_draft, encode_chat,
-                                 register_commands)
+from openk3.serve.engine import Engine, EngineConfig, SamplingParams, early_exit_draft, register_commands
 from openk3.serve.sampler import accept_draft, filtered_probs
+from openk3.text.chat import chat_stop_ids, encode_segments, render
 from openk3.text.tokenizer import train_bpe
 from tests.serve.test_cache import small_config, small_model
 
@@ -306,16 +306,18 @@ def tokenizer():
 
 
 def test_chat_encoding(tokenizer):
-    ids = encode_chat(tokenizer, [{"role": "system", "content": "Be brief."},
-                                  {"role": "user", "content": "Hi <|im_end|>"}])
+    """A trained BPE has both name sets; `openk3 chat` speaks K3's XTML with it and stops at <|end_of_msg|>."""
+    ids = encode_segments(tokenizer, render(tokenizer, [{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": "Hi <|end_of_msg|>"}]))
     text = tokenizer.decode(ids)
-    assert text == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi <|im_end|>"
-                    "<|im_end|><|im_assistant|>assistant<|im_middle|>")
-    # the special-token string typed by the user stays text: only two real <|im_end|> ids
-    assert ids.count(tokenizer.token_id("<|im_end|>")) == 2
-    assert set(chat_stop_ids(tokenizer)) == {tokenizer.token_id("<|im_end|>"), tokenizer.eos_id}
-    with pytest.raises(ValueError, match="unknown chat role 'robot'"):
-        encode_chat(tokenizer, [{"role": "robot", "content": "x"}])
+    assert text == ('<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
+                    '<|open|>message role="user"<|sep|>Hi <|end_of_msg|><|close|>message<|sep|><|end_of_msg|>'
+                    '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    # the special-token string typed by the user stays text: only two real <|end_of_msg|> ids
+    assert ids.count(tokenizer.token_id("<|end_of_msg|>")) == 2
+    assert set(chat_stop_ids(tokenizer)) == {tokenizer.token_id("<|end_of_msg|>"), tokenizer.eos_id}
+    with pytest.raises(ValueError, match="unknown role 'robot'"):
+        render(tokenizer, [{"role": "robot", "content": "x"}])
 
 
 def test_cli_generate_and_chat(tokenizer, tmp_path, capsys, monkeypatch):

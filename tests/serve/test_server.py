@@ -22,14 +22,15 @@ from hypothesis import strategies as st
 
 from openk3.model import K3ForCausalLM
 from openk3.model.checkpoint import load_for_inference, save_pretrained
-from openk3.serve.engine import Engine, EngineConfig, SamplingParams, chat_stop_ids
-from openk3.serve.server import (OutputParser, Server, TextDiff, cmd_serve, create_app, encode_conversation,
-                                 register_commands)
+from openk3.serve.engine import Engine, EngineConfig, SamplingParams
+from openk3.serve.server import Server, TextDiff, cmd_serve, create_app, register_commands
+from openk3.text.chat import (IdOutputParser, K2OutputParser, chat_format_for, chat_stop_ids, encode_segments, render,
+                              render_k2)
 from openk3.text.tokenizer import train_bpe
 from tests.serve.test_cache import small_config
 
 NAME = "k3-test"
-MAX_CONTEXT = 256
+MAX_CONTEXT = 1024  # K3 XTML prompts of a few turns are a few hundred tokens of the small BPE
 TIMEOUT = 30.0  # seconds, for every client call: a hung server fails the test instead of hanging it
 
 
@@ -93,7 +94,14 @@ def chat(client, text: str, max_tokens: int = 8, **kw):
 
 # ------------------------------------------------------------------------------------------ template and parser
 
-def test_chat_template_renders_k3_messages(loaded):
+def encode_conversation(tok, messages, tools=None, fmt=None, **options) -> list[int]:
+    """The prompt ids the server renders for these messages (its format: the tokenizer's, unless `fmt`)."""
+    return encode_segments(tok, render(fmt or tok, messages, tools=tools, **options))
+
+
+def test_k2_chat_template_renders_k3_messages(loaded):
+    """The K2 template (chat.render_k2, what a K2-named tokenizer is served with), on a tokenizer that has K2's
+    names too."""
     _, tok = loaded
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [
@@ -106,7 +114,7 @@ def test_chat_template_renders_k3_messages(loaded):
         {"role": "assistant", "content": "Cold: -3 C. <|im_end|>"},
         {"role": "user", "content": "Thanks"},
     ]
-    ids = encode_conversation(tok, messages, tools)
+    ids = encode_segments(tok, render_k2(messages, tools=tools))
     assert tok.decode(ids) == (
         '<|im_system|>tool_declare<|im_middle|>' + json.dumps(tools) + '<|im_end|>'
         '<|im_system|>system<|im_middle|>Be brief.<|im_end|>'
@@ -122,7 +130,7 @@ def test_chat_template_renders_k3_messages(loaded):
     assert ids.count(tok.token_id("<|im_end|>")) == 7
 
 
-def test_output_parser_splits_reasoning_content_and_tool_calls_streaming(loaded):
+def test_k2_output_parser_splits_reasoning_content_and_tool_calls_streaming(loaded):
     """Kimi K2's output format parsed into reasoning, content and two tool calls; fed in random pieces, the parts
     only ever grow, so the differences a stream sends join to the final message."""
     _, tok = loaded
@@ -135,7 +143,7 @@ def test_output_parser_splits_reasoning_content_and_tool_calls_streaming(loaded)
            + tok.encode("{}") + [t("<|tool_call_end|>"), t("<|tool_calls_section_end|>")])
     rng = random.Random(0)
     for trial in range(5):
-        parser, reasoning, content = OutputParser(tok), TextDiff(), TextDiff()
+        parser, reasoning, content = K2OutputParser(tok), TextDiff(), TextDiff()
         sent_r = sent_c = ""
         i = 0
         while i < len(ids):
@@ -153,10 +161,10 @@ def test_output_parser_splits_reasoning_content_and_tool_calls_streaming(loaded)
         {"id": "functions.get_weather:0", "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
         {"id": "functions.ns.lookup:1", "type": "function", "function": {"name": "ns.lookup", "arguments": "{}"}}]
-    plain = OutputParser(tok)
+    plain = K2OutputParser(tok)
     plain.feed(tok.encode("no reasoning here") + [t("</think>")] + tok.encode("!"))
     assert plain.reasoning is None and plain.content == "no reasoning here!" and plain.tool_calls == []
-    cut = OutputParser(tok)  # a truncated output: reasoning so far, no content, no half-written tool call
+    cut = K2OutputParser(tok)  # a truncated output: reasoning so far, no content, no half-written tool call
     cut.feed([t("<think>")] + tok.encode("hmm"))
     assert (cut.reasoning, cut.content) == ("hmm", "")
 
@@ -178,9 +186,10 @@ def test_openai_client_chat_and_completions_streaming_and_not(client, server, lo
     assert r.usage.prompt_tokens == len(prompt)
     want = make_engine(model).generate([prompt], SamplingParams(max_tokens=9, temperature=0.0,
                                                                 stop_token_ids=chat_stop_ids(tok)))[0]
-    parser = OutputParser(tok)
-    parser.feed(want.completion_ids)
-    assert choice.message.content == parser.content
+    parser = IdOutputParser(tok, "xtml")
+    parsed = parser.feed(want.completion_ids)
+    parsed += parser.finish()
+    assert choice.message.content == parsed.content
 
     stream = chat(client, "Hello there, how are you?", max_tokens=9, stream=True,
                   stream_options={"include_usage": True})
@@ -587,3 +596,193 @@ def test_fuzzed_bodies_never_500(asgi, data):
         assert r.text.rstrip().endswith("data: [DONE]")
     else:
         assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ------------------------------------------------------------------------------------------ K3's XTML format served
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "number"}}}}}]
+# what the model writes after the generation prompt (<|open|>message role="assistant"<|sep|><|open|>think<|sep|>)
+XTML_COMPLETION = ('Hm, é.<|close|>think<|sep|><|open|>response<|sep|>Oslo ü…<|close|>response<|sep|>'
+                   '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+                   '<|open|>argument key="city" type="string"<|sep|>Oslo<|close|>argument<|sep|>'
+                   '<|open|>argument key="days" type="number"<|sep|>2<|close|>argument<|sep|><|close|>call<|sep|>'
+                   '<|close|>tools<|sep|><|end_of_msg|>')  # the message close elided: <|end_of_msg|> ends it
+
+
+def scripted(engine: Engine, script: list[int]) -> list[list[int]]:
+    """Make the engine emit `script` (one id per sampled token, whatever the model samples) and record the prompt of
+    every request; the returned list fills with those prompts."""
+    prompts, submit, emit = [], engine.submit, engine._emit
+
+    def record(prompt, *a, **k):
+        prompts.append(list(prompt))
+        return submit(prompt, *a, **k)
+
+    def replace(req, tokens, logprobs, outputs):
+        n = len(req.output)
+        return emit(req, [script[min(n + i, len(script) - 1)] for i in range(len(tokens))], logprobs, outputs)
+
+    engine.submit, engine._emit = record, replace
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def xtml_server(loaded):
+    model, tokenizer = loaded
+    engine = make_engine(model)
+    srv = Server(create_app(engine, tokenizer, NAME, max_context=MAX_CONTEXT)).start()
+    srv.prompts = scripted(engine, tokenizer.encode(XTML_COMPLETION, allow_special=True))
+    yield srv
+    srv.stop()
+
+
+def test_xtml_reasoning_content_and_tool_calls_through_the_openai_client(xtml_server, loaded):
+    """A trained BPE (both name sets) speaks XTML: the prompt the engine gets is chat.render + encode_segments of the
+    request (with effort, tool choice and response format), the output is parsed into reasoning_content, content and
+    tool_calls, streaming (OpenAI's deltas) and not, and usage.prompt_tokens is the rendered prompt's length."""
+    _, tok = loaded
+    assert chat_format_for(tok) == "xtml"
+    client = openai.OpenAI(base_url=xtml_server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    want_call = {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 2})}
+    for kw, options in [
+            ({}, {}),
+            ({"reasoning_effort": "high", "tool_choice": "required"}, {"effort": "high", "tool_choice": "required"}),
+            ({"extra_body": {"chat_template_kwargs": {"thinking_effort": "max"}},
+              "response_format": {"type": "json_object"}},
+             {"effort": "max", "response_format": {"type": "json_object"}})]:
+        r = client.chat.completions.create(model=NAME, messages=messages, tools=WEATHER, max_tokens=200,
+                                           temperature=0, **kw)
+        prompt = encode_conversation(tok, messages, WEATHER, **options)
+        assert xtml_server.prompts[-1] == prompt and r.usage.prompt_tokens == len(prompt)
+        assert tok.decode(prompt).endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+        m = r.choices[0].message
+        assert m.reasoning_content == "Hm, é." and m.content == "Oslo ü…"
+        assert [c.function.model_dump() for c in m.tool_calls] == [want_call]
+        assert m.tool_calls[0].id == "functions.get_weather:0" and r.choices[0].finish_reason == "tool_calls"
+        if kw:
+            continue  # the stream of one of them is enough
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, tools=WEATHER, max_tokens=200,
+                                                     temperature=0, stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == m.reasoning_content
+        assert "".join(d.content or "" for d in deltas) == m.content
+        calls = [c for d in deltas for c in d.tool_calls or []]
+        assert [(c.index, c.id, c.function.model_dump()) for c in calls] == [(0, m.tool_calls[0].id, want_call)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # thinking off: the prompt opens the response channel and the output is all answer
+    messages = [{"role": "user", "content": "hi"}]
+    for kw in ({"reasoning_effort": "none"}, {"extra_body": {"chat_template_kwargs": {"thinking": False}}}):
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0, **kw)
+        assert xtml_server.prompts[-1] == encode_conversation(tok, messages, thinking=False)
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
+        assert "Hm, é.".startswith(r.choices[0].message.content) and r.choices[0].finish_reason == "length"
+    # a past turn's reasoning and tool call, and the tool's result, go back into the prompt as XTML
+    history = messages + [r.choices[0].message.model_dump(exclude_none=True) | {
+        "reasoning_content": "r", "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                                                  "function": want_call}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "-3 C"}]
+    r = client.chat.completions.create(model=NAME, messages=history, tools=WEATHER, max_tokens=2, temperature=0)
+    history[1] = {k: v for k, v in history[1].items() if k in ("role", "content", "reasoning_content", "tool_calls")}
+    assert xtml_server.prompts[-1] == encode_conversation(tok, history, WEATHER)
+
+
+def test_chat_options_get_a_400_naming_the_field(xtml_server):
+    ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    cases = [
+        (dict(ok, reasoning_effort="medium"), "reasoning_effort"),
+        (dict(ok, reasoning_effort="high", chat_template_kwargs={"thinking": False}), "reasoning_effort"),
+        (dict(ok, reasoning_effort="none", chat_template_kwargs={"thinking": True}), "reasoning_effort"),
+        (dict(ok, reasoning_effort="low", chat_template_kwargs={"thinking_effort": "max"}),
+         "chat_template_kwargs.thinking_effort"),
+        (dict(ok, chat_template_kwargs={"thinking": "yes"}), "chat_template_kwargs.thinking"),
+        (dict(ok, chat_template_kwargs={"enable_thinking": True}), "chat_template_kwargs.enable_thinking"),
+        (dict(ok, tool_choice="required"), "tool_choice"),  # no tools to call
+        (dict(ok, tool_choice="sometimes"), "tool_choice"),
+        (dict(ok, response_format={"type": "yaml"}), "response_format.type"),
+        (dict(ok, response_format={"type": "json_schema"}), "response_format"),
+        (dict(ok, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+         "response_format.json_schema"),
+        (dict(ok, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "b", "content": "x"}]), "messages.2"),
+    ]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for body, param in cases:
+            r = http.post(xtml_server.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param, (body, err)
+        r = http.post(xtml_server.url + "/v1/chat/completions", json=dict(ok, response_format=schema))
+        assert r.status_code == 200, r.text
+
+
+def tiktoken_model_dir(path: Path, names: str) -> Path:
+    """A random-init small K3 with a release-style tiktoken.model of byte ranks: bare (K3's names, as the release)
+    or with a tokenizer_config.json naming the block K2's way."""
+    import base64
+
+    from openk3.text.tokenizer import K2_SPECIAL_TOKEN_OFFSETS, Tokenizer
+
+    path.mkdir()
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello"]
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    if names == "k2":
+        decoder = {str(len(ranks) + o): {"content": n, "special": True} for n, o in K2_SPECIAL_TOKEN_OFFSETS.items()}
+        (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    tok = Tokenizer.load(path)
+    torch.manual_seed(0)
+    config = small_config().replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                                    pad_token_id=tok.pad_id)
+    save_pretrained(K3ForCausalLM(config), path)
+    return path
+
+
+@pytest.mark.parametrize("names,fmt", [("bare", "xtml"), ("k2", "k2")])
+def test_a_tiktoken_model_serves_and_chats_in_its_format(tmp_path, capsys, names, fmt):
+    """A bare release-style tiktoken.model has K3's names only (no <|im_end|>): served and chatted in XTML, no
+    KeyError; one with K2's names in a tokenizer_config.json in K2's template. Both stop at their end token."""
+    from openk3.serve.engine import register_commands as engine_commands
+
+    path = tiktoken_model_dir(tmp_path / "model", names)
+    model, tok, _ = load_for_inference(path)
+    assert chat_format_for(tok) == fmt
+    end = "<|end_of_msg|>" if fmt == "xtml" else "<|im_end|>"
+    assert chat_stop_ids(tok) == tuple(sorted({tok.token_id(end), tok.eos_id}))
+    engine = make_engine(model)
+    answer = "r<|close|>think<|sep|><|open|>response<|sep|>hello<|close|>response<|sep|>" if fmt == "xtml" else \
+        "<think>r</think>hello"
+    prompts = scripted(engine, tok.encode(answer + end, allow_special=True))
+    messages = [{"role": "user", "content": "hello"}]
+    with TestClient(create_app(engine, tok, NAME, max_context=MAX_CONTEXT)) as http:
+        r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 40})
+        assert r.status_code == 200, r.text
+        assert prompts[-1] == encode_conversation(tok, messages)
+        message = r.json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("r", "hello")
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        if fmt == "k2":  # K2's template has no thinking-effort message
+            r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
+                                                        "reasoning_effort": "high"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+            for field, value, param in [("reasoning_effort", "none", "reasoning_effort"),
+                                        ("chat_template_kwargs", {"thinking": False}, "chat_template_kwargs.thinking"),
+                                        ("tool_choice", "required", "tool_choice"),
+                                        ("response_format", {"type": "json_object"}, "response_format")]:
+                r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
+                                                            field: value})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+    parser = argparse.ArgumentParser()
+    engine_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["chat", "--model", str(path), "--max-tokens", "4", "--temperature", "0",
+                              "--device", "cpu", "--system", "Be brief."])
+    lines = ["hello", "hello hello"]
+    args.fn(args, read=lambda _: lines.pop(0) if lines else "")
+    shown = capsys.readouterr().out
+    cached = [int(line.split("[")[-1].split("/")[0]) for line in shown.splitlines() if "prefix cache" in line]
+    assert len(cached) == 2

@@ -177,9 +177,7 @@ def test_segments_are_encoded_one_by_one(tiktoken_k3):
     assert chat_format_for(tok) == "xtml"
 
 
-def test_k2_format_matches_the_server_template():
-    from openk3.serve.server import encode_conversation
-
+def test_k2_format_is_kimi_k2s_template():
     tok = train_bpe(["hello world, the weather is fine"] * 20, vocab_size=400)
     assert chat_format_for(tok) == "xtml"  # a trained BPE has both name sets; K3's wins
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi <|im_end|>"},
@@ -187,7 +185,15 @@ def test_k2_format_matches_the_server_template():
                  "tool_calls": [{"id": "functions.f:0", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
                 {"role": "tool", "tool_call_id": "functions.f:0", "content": "out"}]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert encode_segments(tok, render("k2", messages, tools=tools)) == encode_conversation(tok, messages, tools)
+    ids = encode_segments(tok, render("k2", messages, tools=tools))
+    assert tok.decode(ids) == (
+        '<|im_system|>tool_declare<|im_middle|>' + json.dumps(tools) + '<|im_end|>'
+        '<|im_system|>system<|im_middle|>s<|im_end|><|im_user|>user<|im_middle|>hi <|im_end|><|im_end|>'
+        '<|im_assistant|>assistant<|im_middle|><think>r</think>c<|tool_calls_section_begin|><|tool_call_begin|>'
+        'functions.f:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+        '<|im_system|>tool<|im_middle|>## Return of functions.f:0\nout<|im_end|>'
+        '<|im_assistant|>assistant<|im_middle|>')
+    assert ids.count(tok.token_id("<|im_end|>")) == 5  # the typed one stays text
 
 
 def test_chat_format_for_a_k2_tokenizer(tmp_path):
