@@ -49,7 +49,6 @@ class OpenK3LM(LM):
                       file=sys.stderr)
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer, _ = load_for_inference(pretrained, device=device)
-        self.model.eval()
         self.torch_device = torch.device(device)
         self.max_length = int(max_length or self.model.config.max_position_embeddings)
         self.max_gen_toks = int(max_gen_toks)
