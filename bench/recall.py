@@ -222,8 +222,8 @@ def build(kind: str, args, max_len: int, seed: int) -> nn.Module:
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (norm weights, A_log, dt_bias, biases and embeddings of positions excluded),
-    as fla's and most recipes do."""
+    """Weight decay on matrices (embeddings included) but not on vectors or the short-conv kernels: norm weights,
+    A_log, dt_bias and biases, as fla marks A_log and dt_bias `_no_weight_decay`."""
     decay, keep = [], []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and "conv1d" not in name else keep).append(p)

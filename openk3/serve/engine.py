@@ -675,7 +675,8 @@ def cmd_chat(args: argparse.Namespace, read=input) -> None:
                 continue
             print(f"\n[{req.cached_tokens}/{len(prompt)} prompt tokens from the prefix cache, {len(req.output)} "
                   f"generated, {req.finish_reason}]")
-            history = prompt + req.output + ([] if req.output[-1] == end else [end])
+            # the turn closes with the message end, whichever stop token (message end or eos) ended it
+            history = prompt + req.completion_ids + [end]
     except KeyboardInterrupt:  # Ctrl-C while typing or while the model writes: leave as a shell program does
         print("\nopenk3 chat: interrupted")
         sys.exit(130)  # 128 + SIGINT

@@ -69,9 +69,9 @@ class OpenK3LM(LM):
         n = len(continuation)
         if n == 0:
             return 0.0, True
-        if len(ids) < 2:
-            raise ValueError("lm-eval: a request needs at least one context token before the continuation "
-                             "(the tokenizer has no BOS to prepend)")
+        if len(ids) <= n:  # the first scored token needs a token before it
+            raise ValueError(f"lm-eval: a {n}-token continuation needs at least one context token before it within "
+                             f"max_length={self.max_length} (context: {len(context)} tokens; no BOS is prepended)")
         x = torch.tensor([ids[:-1]], device=self.torch_device)
         logits = self.model(x).logits[0, -n:].float()
         target = torch.tensor(ids[-n:], device=self.torch_device)

@@ -45,6 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
@@ -307,10 +308,12 @@ class EngineLoop:
                cache_salt: str | None) -> tuple[Request, asyncio.Queue]:
         """Queue a request (ValueError if the engine refuses it); its outputs arrive on the returned queue, the last
         one with a finish_reason. Call from the event loop that will read the queue."""
-        if self.error is not None:
-            raise APIError(503, f"the engine stopped after an error: {self.error!r}", type="server_error")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:  # the engine thread cannot dispatch this request's first output before the sink exists
+            # NOTE: checked under the lock: a thread that failed after an unlocked check has already failed (and
+            # cleared) every sink, and this request would wait for outputs that never come
+            if self.error is not None:
+                raise APIError(503, f"the engine stopped after an error: {self.error!r}", type="server_error")
             req = self.engine.submit(prompt, params, cache_salt=cache_salt, request_id=f"req-{uuid.uuid4().hex}")
             self._sinks[req.id] = (asyncio.get_running_loop(), queue)
         self._wake.set()
@@ -609,6 +612,16 @@ async def outputs(request: HTTPRequest, req: Request, queue: asyncio.Queue, watc
             request.app.state.loop.cancel(req.id)
 
 
+def cancel_if_unfinished(request: HTTPRequest, req: Request) -> BackgroundTask:
+    """Runs after a streaming response ends, however it ended. NOTE: a client that leaves before the first chunk is
+    pulled leaves the events generator unstarted, so the `finally` of `outputs` (which cancels) never runs; without
+    this the request would decode to max_tokens holding its pages."""
+    def cancel() -> None:
+        if not req.finished:
+            request.app.state.loop.cancel(req.id)
+    return BackgroundTask(cancel)
+
+
 def visible(out: StepOutput) -> list[int]:
     """The output's ids less the stop token that ended it (which the client never sees)."""
     return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
@@ -786,7 +799,8 @@ async def chat_completion(gen: Generation, body: ChatRequest, request: HTTPReque
                          "choices": [], "usage": usage(req)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(events(), metrics), media_type="text/event-stream")
+    return StreamingResponse(sse(events(), metrics), media_type="text/event-stream",
+                             background=cancel_if_unfinished(request, req))
 
 
 async def completion(gen: Generation, body: CompletionRequest, request: HTTPRequest) -> Response:
@@ -829,7 +843,8 @@ async def completion(gen: Generation, body: CompletionRequest, request: HTTPRequ
             yield event(dict(body_of("", None, True), choices=[]))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(events(), metrics), media_type="text/event-stream")
+    return StreamingResponse(sse(events(), metrics), media_type="text/event-stream",
+                             background=cancel_if_unfinished(request, req))
 
 
 # ------------------------------------------------------------------------------------------ the app

@@ -103,3 +103,8 @@ metric_list:
                                                   for c in d["choices"]])]
         right += int(max(range(len(scores)), key=scores.__getitem__) == d["answer"])
     assert mc_acc == pytest.approx(right / len(docs))
+
+
+def test_a_continuation_without_context_is_a_clear_error(lm):
+    with pytest.raises(ValueError, match="needs at least one context token"):
+        lm.loglikelihood([request("loglikelihood", ("", "def f(x): return x"))])
