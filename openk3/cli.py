@@ -71,6 +71,9 @@ def cmd_init(args: argparse.Namespace) -> None:
     from openk3.model.checkpoint import init_checkpoint
 
     tokenizer = None
+    if args.data is not None and args.tokenizer != "bpe":
+        raise ValueError(f"--data {args.data} is the corpus for --tokenizer bpe; with --tokenizer {args.tokenizer} "
+                         f"it would be ignored")
     if args.tokenizer == "bpe":  # the byte-level BPE `openk3 train` trains, at the config's vocabulary size
         from openk3.text.tokenizer import train_bpe
         from openk3.train.data import load_corpus

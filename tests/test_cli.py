@@ -96,6 +96,12 @@ def test_init_with_a_missing_tokenizer_names_it(tmp_path, capsys):
     assert str(tmp_path / "nope") in capsys.readouterr().err
 
 
+def test_init_data_without_bpe_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["init", "--config", "tiny", "--out", str(tmp_path / "ckpt"), "--data", str(tmp_path)])
+    assert "--data" in capsys.readouterr().err and not (tmp_path / "ckpt").exists()
+
+
 def test_info_help_lists_every_preset(capsys):
     from openk3.config import PRESETS
 
