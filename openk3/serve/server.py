@@ -80,9 +80,9 @@ class TextDiff:
         self.sent = ""
 
     def update(self, text: str, final: bool = False) -> str:
-        if (text.endswith("\ufffd") and not final) or not text.startswith(self.sent):
-            return ""
-        new, self.sent = text[len(self.sent):], text
+        new = chat.grown_text(self.sent, text, final)
+        if new:
+            self.sent = text
         return new
 
 

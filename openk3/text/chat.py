@@ -731,7 +731,7 @@ class K2OutputParser:
         return calls
 
 
-def _grown(old: str, new: str, final: bool) -> str:
+def grown_text(old: str, new: str, final: bool) -> str:
     """What `new` adds to `old`, holding back a trailing U+FFFD (a character whose bytes are still coming)."""
     if (new.endswith("\ufffd") and not final) or not new.startswith(old):
         return ""
@@ -790,9 +790,9 @@ class IdOutputParser:
         k2.feed(ids)
         out = ParsedOutput()
         if k2.reasoning is not None:
-            out.reasoning_content = _grown(sent[0], k2.reasoning, final)
+            out.reasoning_content = grown_text(sent[0], k2.reasoning, final)
             sent[0] += out.reasoning_content
-        out.content = _grown(sent[1], k2.content, final)
+        out.content = grown_text(sent[1], k2.content, final)
         sent[1] += out.content
         calls = k2.tool_calls
         out.tool_calls, sent[2] = calls[sent[2]:], len(calls)
