@@ -1,4 +1,4 @@
-"""The `openk3` command: info, init, train, eval, generate, chat, serve, lm-eval, render.
+"""The `openk3` command: info, init, train, eval, generate, chat, serve, lm-eval, convert, render.
 
 A command imports only what it needs: `openk3 info` never loads the trainer, `openk3 train` never loads FastAPI.
 `COMMANDS` names the module that defines each command and its line in `openk3 --help`. Only the module of the
@@ -24,6 +24,7 @@ COMMANDS = {
     "serve": ("openk3.serve.server", "an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine"),
     "lm-eval": ("openk3.serve.harness", "lm-evaluation-harness on a checkpoint (lm_eval's own arguments; "
                                         "needs openk3[eval])"),
+    "convert": ("openk3.parallel.dcp", "convert a sharded DCP checkpoint to the release safetensors layout, or back"),
     "render": ("openk3.text.chat", "print a conversation rendered as the model's chat prompt (text, segments, ids)"),
 }
 

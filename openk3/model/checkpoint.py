@@ -38,7 +38,7 @@ import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -221,16 +221,25 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int
 
 
 def _write_checkpoint(model: K3ForCausalLM, out: Path, max_shard_bytes: int) -> None:
-    config = model.config
     values = model.state_dict()  # references to the model's tensors, no copies
-    entries = _entries(config, {name: tuple(t.shape) for name, t in values.items()})
+    write_weights(model.config, {name: (tuple(t.shape), t.dtype) for name, t in values.items()}, values.__getitem__,
+                  out, max_shard_bytes)
+
+
+def write_weights(config: K3Config, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  read: Callable[[str], Tensor], out: Path, max_shard_bytes: int) -> None:
+    """Write the shards, index and config.json of a model whose tensors are described by `metas` (state_dict name
+    -> (shape, dtype), in state_dict order) and fetched one at a time by `read(name)` into the directory `out`.
+    Only one model tensor (and one shard) is held at a time, so `read` may load from elsewhere, e.g. a sharded
+    DCP checkpoint (parallel/dcp.py)."""
+    entries = _entries(config, {name: shape for name, (shape, _) in metas.items()})
 
     # Plan the shards from shapes and dtypes alone, so the file names (which carry the shard count) are known
     # before any data is built. An entry's tensors (MXFP4 packed + scale) always share a shard.
     shards: list[list[Entry]] = [[]]
     used = 0
     for entry in entries:
-        size = sum(_nbytes(s.shape, s.dtype or values[entry.model_name].dtype) for s in entry.stored)
+        size = sum(_nbytes(s.shape, s.dtype or metas[entry.model_name][1]) for s in entry.stored)
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
             used = 0
@@ -239,11 +248,14 @@ def _write_checkpoint(model: K3ForCausalLM, out: Path, max_shard_bytes: int) -> 
 
     weight_map: dict[str, str] = {}
     total = 0
+    current: tuple[str, Tensor] | None = None  # the model tensor read last (the expert entries of one share it)
     for k, shard in enumerate(shards, start=1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, Tensor] = {}
         for entry in shard:
-            for s, t in zip(entry.stored, _to_stored(entry, values[entry.model_name])):
+            if current is None or current[0] != entry.model_name:
+                current = (entry.model_name, read(entry.model_name))
+            for s, t in zip(entry.stored, _to_stored(entry, current[1])):
                 tensors[s.name] = t
                 weight_map[s.name] = file
                 total += t.numel() * t.element_size()
@@ -252,7 +264,7 @@ def _write_checkpoint(model: K3ForCausalLM, out: Path, max_shard_bytes: int) -> 
 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    dtype = values["model.embed_tokens.weight"].dtype
+    dtype = metas["model.embed_tokens.weight"][1]
     (out / CONFIG_NAME).write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
 
 

@@ -162,6 +162,18 @@ class QuantileHistogram:
         return (b_N - b_N.mean()).float()
 
 
+def all_reduce_histograms_(hists: list[QuantileHistogram], group=None) -> None:
+    """Sum the counts of every layer's histogram over the ranks of `group` with ONE integer all-reduce (the layers'
+    counts are concatenated), so a step of a data-parallel run costs one collective for balancing however many MoE
+    layers there are. A no-op when torch.distributed is not running."""
+    if not hists or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    flat = torch.cat([h.counts.flatten() for h in hists])
+    torch.distributed.all_reduce(flat, group=group)
+    for h, counts in zip(hists, flat.split([h.counts.numel() for h in hists])):
+        h.counts.copy_(counts.view_as(h.counts))
+
+
 def sign_update(bias_N: Tensor, loads_N: Tensor, rate: float = 1e-3) -> Tensor:
     """DeepSeek-V3's bias update: bias_j + rate * sign(mean(load) - load_j), as a new fp32 tensor."""
     if loads_N.shape != bias_N.shape:

@@ -28,9 +28,12 @@ Choices (the spec names the two sets but not every border case):
 Precision: parameters, gradients, momentum and AdamW moments stay in the parameter dtype (fp32
 masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and torch.optim.Muon do.
 
-NOTE: Muon needs each whole matrix (or whole head block / expert slice) on one device. A data
-parallel wrapper that shards a matrix by rows must gather it before `step` or give whole matrices
-to ranks; that is parallel.py's business, not this file's.
+Sharded parameters (FSDP2 DTensors, openk3/parallel/fsdp.py): Newton-Schulz needs each whole matrix
+(or whole head block / expert slice), so `Muon.step` all-gathers the update of a sharded parameter
+(`full_tensor`), orthogonalises it, and keeps only this rank's shard of the result (a local slice, no
+communication). Momentum stays sharded. Every rank orthogonalises every matrix [simple, redundant
+compute: world x the FLOPs of one process; spreading matrices over ranks is left out]. AdamW and
+QK-Clip act elementwise (per row), so they work on the shards directly.
 """
 
 import math
@@ -39,6 +42,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -128,7 +132,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                matrix_blocks(p, group["head_dim"])
+                matrix_blocks(torch.empty(p.shape, device="meta"), group["head_dim"])  # shape check only (p may be sharded)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -147,15 +151,26 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum)
-                o_BRC = orthogonalize(matrix_blocks(update, group["head_dim"]))
+                full = update.full_tensor() if isinstance(update, DTensor) else update  # gathers a sharded one
+                o_BRC = orthogonalize(matrix_blocks(full, group["head_dim"]))
+                o = o_BRC.reshape(full.shape)
+                if isinstance(update, DTensor):
+                    o = like_placements(o, update)
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(o_BRC.reshape(p.shape), alpha=-lr * rms_match_scale(*o_BRC.shape[-2:]))
+                p.add_(o, alpha=-lr * rms_match_scale(*o_BRC.shape[-2:]))
         return loss
 
 
 # --------------------------------------------------------------------------------------------
 # Parameter groups and the combined optimiser
 # --------------------------------------------------------------------------------------------
+
+def like_placements(full: Tensor, like: DTensor) -> DTensor:
+    """The whole tensor `full` (the same on every rank) as a DTensor laid out like `like`: each rank keeps its own
+    shard, a local slice (Replicate -> Shard needs no communication)."""
+    return DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
+                              run_check=False).redistribute(like.device_mesh, like.placements)
+
 
 # Per-Head Muon roles; `build_optimizer(head_dims=...)` gives the rows each head owns in each.
 PER_HEAD_ROLES = {
@@ -362,10 +377,14 @@ def qk_clip_mla_(q_weight: Tensor, kv_b_weight: Tensor, max_logit_H: Tensor, tau
         raise ValueError(f"tau must be > 0, got {tau}")
     max_logit_H = max_logit_H.float().flatten()
     gamma_H = torch.where(max_logit_H > tau, tau / max_logit_H, torch.ones_like(max_logit_H))
-    sqrt_gamma_H11 = gamma_H.sqrt().view(H, 1, 1)
-    q_HDI = q_weight.view(H, qk_dim, -1)
-    q_HDI[:, :qk_nope_head_dim].mul_(sqrt_gamma_H11.to(q_weight.dtype))
-    q_HDI[:, qk_nope_head_dim:].mul_(gamma_H.view(H, 1, 1).to(q_weight.dtype))
-    kv_HDL = kv_b_weight.view(H, kv_dim, -1)
-    kv_HDL[:, :qk_nope_head_dim].mul_(sqrt_gamma_H11.to(kv_b_weight.dtype))
+    sqrt_gamma_H1 = gamma_H.sqrt()[:, None]
+    # one multiplier per weight row, so that a row-sharded (FSDP2) weight is scaled shard by shard
+    q_rows = torch.cat([sqrt_gamma_H1.expand(H, qk_nope_head_dim),
+                        gamma_H[:, None].expand(H, qk_rope_head_dim)], dim=1).reshape(-1, 1)
+    kv_rows = torch.cat([sqrt_gamma_H1.expand(H, qk_nope_head_dim),
+                         torch.ones(H, v_head_dim, device=gamma_H.device)], dim=1).reshape(-1, 1)
+    for weight, rows in ((q_weight, q_rows), (kv_b_weight, kv_rows)):
+        rows = rows.to(weight.dtype)
+        weight.mul_(like_placements(rows.expand(weight.shape).contiguous(), weight)
+                    if isinstance(weight, DTensor) else rows)
     return gamma_H

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from openk3.config import PRESETS, K3Config, get_config
@@ -50,6 +51,9 @@ from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST
                                      find_checkpoint, load_for_inference, load_pretrained, save_pretrained)
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
+from openk3.parallel.dcp import dcp_to_release_into, load_sharded, save_sharded
+from openk3.parallel.fsdp import apply_fsdp
+from openk3.parallel.mesh import DistEnv, ParallelDims, build_mesh, init_distributed, rows_of_rank, under_torchrun
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
@@ -114,6 +118,8 @@ class TrainArgs:
     # used one core (the threads wait on each other). Raise it for bigger models.
     threads: int = 1
     progress: bool = True  # tqdm progress bar
+    # Data-parallel ranks (FSDP2) when run under torchrun / --nproc; None = every process. docs/parallel.md
+    dp: int | None = None
 
 
 # Settings that define the math of a run: `--resume` refuses to change them.
@@ -121,11 +127,13 @@ FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "init_from", "ba
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
-PER_INVOCATION = ("stop_at", "threads", "progress")
+PER_INVOCATION = ("stop_at", "threads", "progress", "dp")
 BALANCE_MODES = ("quantile", "sign", "none")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
 TRAINER_STATE = "trainer_state.pt"
+DCP_DIR = "dcp"  # a data-parallel run's checkpoint: model + optimizer shards (parallel/dcp.py) ...
+DIST_STATE = "dist_state.pt"  # ... and step, token count, data position of every row, RNG
 METRICS_FILE = "metrics.jsonl"
 SPLIT_SEED = 0  # the train/val split does not move with --seed, so runs with different seeds share one val set
 
@@ -282,6 +290,80 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
+# ------------------------------------------------------------------------------------------ data parallel
+
+
+def barrier(env: DistEnv | None) -> None:
+    if env is not None:
+        torch.distributed.barrier()
+
+
+def global_loss_share(labels: Tensor, world: int) -> float:
+    """The factor that turns this rank's mean loss into its share of the global batch's mean loss, times `world`
+    (FSDP divides the summed gradients by the world size): world x local predicted tokens / global predicted
+    tokens. So the gradient is that of one process on the whole global batch, even when ranks predict different
+    numbers of tokens (IGNORE_INDEX at document ends). One small all-reduce per micro-batch."""
+    counts = (labels != IGNORE_INDEX).sum().reshape(1)
+    total = counts.clone()
+    torch.distributed.all_reduce(total)
+    return world * float(counts) / max(float(total), 1.0)
+
+
+def sum_over_ranks(x: Tensor) -> float:
+    total = x.detach().float().reshape(1).clone()
+    torch.distributed.all_reduce(total)
+    return float(total)
+
+
+def save_distributed_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, opt, stream: RowStreams,
+                                tokenizer: Tokenizer, args: TrainArgs, tokens: int, elapsed_s: float,
+                                main: bool) -> Path:
+    """The data-parallel `save_checkpoint` (collective): every rank writes its model and optimizer shards into
+    `dcp/`; rank 0 adds the step's state (with every rank's data rows), the tokenizer, train_args.json, and the
+    model in the release layout (streamed from the DCP files, so `openk3 generate/eval` read it as any
+    checkpoint), then renames the directory into place and moves `latest`, as `save_checkpoint` does."""
+    ckpt_root = run_dir / CHECKPOINTS
+    name = f"step_{step:06d}"
+    tmp = ckpt_root / f".{name}.tmp"
+    if main and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while writing
+    rows: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(rows, stream.state_dict()["rows"])
+    torch.distributed.barrier()
+    save_sharded(model, opt.optimizers, tmp / DCP_DIR)
+    torch.distributed.barrier()
+    final = ckpt_root / name
+    if main:
+        model.config.save(tmp / DCP_DIR / CONFIG_NAME)
+        dcp_to_release_into(tmp / DCP_DIR, tmp)
+        tokenizer.save(tmp)
+        write_json(tmp / ARGS_FILE, dataclasses.asdict(args))
+        torch.save({"step": step, "tokens": tokens, "elapsed_s": elapsed_s,
+                    "data": {"rows": [r for rank_rows in rows for r in rank_rows]},
+                    "rng": {"torch": torch.get_rng_state()}}, tmp / DIST_STATE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        write_text_atomic(ckpt_root / LATEST, name + "\n")
+        for old in sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())[:-args.keep_last]:
+            shutil.rmtree(old)
+    torch.distributed.barrier()
+    return final
+
+
+def load_distributed_checkpoint(ckpt: Path, model: K3ForCausalLM, opt, stream: RowStreams) -> tuple[int, int, float]:
+    """Load a data-parallel checkpoint into the sharded model, optimizer and this rank's data rows, at any world
+    size (DCP reshards); returns (step, tokens, elapsed_s)."""
+    if not (ckpt / DCP_DIR).is_dir():
+        raise ValueError(f"--resume: {ckpt} is a single-process checkpoint (no {DCP_DIR}/); resume it without "
+                         f"torchrun / --nproc")
+    load_sharded(model, opt.optimizers, ckpt / DCP_DIR)
+    state = torch.load(ckpt / DIST_STATE, map_location="cpu", weights_only=True)
+    stream.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["step"], state["tokens"], state["elapsed_s"]
+
+
 # ------------------------------------------------------------------------------------------------------ data
 
 
@@ -326,9 +408,12 @@ class RowStreams:
 
     ROW_SEED_STRIDE = 2**20  # row b of run seed s uses s * stride + b: distinct for every batch size below it
 
-    def __init__(self, corpus: TokenizedCorpus, batch_size: int, seq_len: int, seed: int):
-        self.rows = [PackedDataset(corpus, 1, seq_len, seed=seed * self.ROW_SEED_STRIDE + b)
-                     for b in range(batch_size)]
+    def __init__(self, corpus: TokenizedCorpus, batch_size: int, seq_len: int, seed: int, rows: range | None = None):
+        """rows: which rows of the global batch of `batch_size` this stream yields (a data-parallel rank's share,
+        parallel.mesh.rows_of_rank); None = all. Row b is the same stream whichever rank reads it."""
+        self.batch_size = batch_size
+        self.row_ids = range(batch_size) if rows is None else rows
+        self.rows = [PackedDataset(corpus, 1, seq_len, seed=seed * self.ROW_SEED_STRIDE + b) for b in self.row_ids]
 
     @property
     def seq_len(self) -> int:
@@ -353,14 +438,17 @@ class RowStreams:
                      cu_seqlens=torch.cat(cu_seqlens), seq_ids=torch.cat(seq_ids))
 
     def state_dict(self) -> dict:
+        """{"rows": the states of this stream's rows}; a data-parallel run gathers every rank's rows in rank order,
+        which is the state of the whole global batch, loadable at any world size."""
         return {"rows": [row.state_dict() for row in self.rows]}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["rows"]) != len(self.rows):
+        """`state` holds every row of the global batch; this stream takes its own rows from it."""
+        if len(state["rows"]) != self.batch_size:
             raise ValueError(f"cannot resume: the saved data state has {len(state['rows'])} rows per batch, this "
-                             f"run {len(self.rows)}")
-        for row, row_state in zip(self.rows, state["rows"]):
-            row.load_state_dict(row_state)
+                             f"run {self.batch_size}")
+        for row, b in zip(self.rows, self.row_ids):
+            row.load_state_dict(state["rows"][b])
 
 
 def saved_run_args(model_dir: Path) -> TrainArgs | None:
@@ -475,7 +563,11 @@ class RouterBalancer:
     Also counts expert loads.
 
     mode quantile: `balance.quantile_balance_exact` on all the step's scores (bins == 0) or a
-    `balance.QuantileHistogram` per layer (bins > 0). mode sign: `balance.sign_update`. mode none: loads only."""
+    `balance.QuantileHistogram` per layer (bins > 0). mode sign: `balance.sign_update`. mode none: loads only.
+
+    Data parallel (torch.distributed running): loads are summed over the ranks, the histograms of all layers with
+    one all-reduce (`balance.all_reduce_histograms_`), and exact mode gathers every rank's scores, so every rank
+    sets the biases a single process would set from the same global batch."""
 
     def __init__(self, model: K3ForCausalLM, mode: str, bins: int, sign_rate: float):
         self.moes = model.moe_layers()
@@ -504,14 +596,25 @@ class RouterBalancer:
 
     @torch.no_grad()
     def end_step(self) -> list[Tensor]:
-        """Set every layer's new bias; return the step's expert loads [E] per layer."""
+        """Set every layer's new bias; return the step's expert loads [E] per layer (summed over ranks)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and self.moes:
+            loads = torch.stack(self.loads)
+            torch.distributed.all_reduce(loads)
+            self.loads = list(loads)
+        if self.hists is not None:
+            balance.all_reduce_histograms_(self.hists)
         for i, moe in enumerate(self.moes):
             bias = moe.gate.e_score_correction_bias
             if self.mode == "quantile" and self.hists is not None:
-                self.hists[i].all_reduce_()
                 bias.copy_(self.hists[i].bias())
             elif self.mode == "quantile":
-                bias.copy_(balance.quantile_balance_exact(torch.cat(self.scores[i]), bias, moe.gate.k))
+                scores = torch.cat(self.scores[i])
+                if distributed:
+                    gathered = [torch.empty_like(scores) for _ in range(torch.distributed.get_world_size())]
+                    torch.distributed.all_gather(gathered, scores)
+                    scores = torch.cat(gathered)
+                bias.copy_(balance.quantile_balance_exact(scores, bias, moe.gate.k))
             elif self.mode == "sign":
                 bias.copy_(balance.sign_update(bias, self.loads[i], self.sign_rate))
         loads = self.loads
@@ -559,7 +662,12 @@ class MLAMaxLogits:
 
     @torch.no_grad()
     def clip_(self, tau: float) -> None:
-        """Apply QK-Clip to every MLA layer with the step's maxima, then start a new step."""
+        """Apply QK-Clip to every MLA layer with the step's maxima (max-reduced over data-parallel ranks, one
+        collective), then start a new step."""
+        if self.layers and torch.distributed.is_available() and torch.distributed.is_initialized():
+            maxima = torch.stack(self.max_H)
+            torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+            self.max_H = list(maxima)
         for attn, max_H in zip(self.layers, self.max_H):
             q_weight = attn.q_b_proj.weight if hasattr(attn, "q_b_proj") else attn.q_proj.weight
             qk_clip_mla_(q_weight, attn.kv_b_proj.weight, max_H, tau, qk_nope_head_dim=attn.nope,
@@ -635,6 +743,16 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     check_args(args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    dist_env = init_distributed(args.device)  # None unless launched by torchrun (or `--nproc`)
+    main = dist_env is None or dist_env.is_main
+    if dist_env is not None:
+        ParallelDims(dp=args.dp).resolve(dist_env.world)
+        device = dist_env.device
+        if not main:  # NOTE: a torchrun worker: rank 0 alone prints and shows progress
+            sys.stdout = open(os.devnull, "w")
+            args = dataclasses.replace(args, progress=False)
+    elif args.dp not in (None, 1):
+        raise ValueError(f"--dp={args.dp} needs {args.dp} processes: add --nproc {args.dp} or run under torchrun")
     run_dir = Path(args.out or default_out(args.config))
     args = dataclasses.replace(args, out=str(run_dir))
     latest = run_dir / CHECKPOINTS / LATEST
@@ -643,25 +761,32 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     if not resume and latest.is_file():
         raise ValueError(f"--out={run_dir} already holds a run with checkpoints; pass --resume to continue it or "
                          f"choose another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run directory: {run_dir}")
-    if not resume:
+    if not resume and main:
         # NOTE: a run killed before its first checkpoint leaves its rows; this fresh run logs those steps again
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
 
     init_dir = find_checkpoint(args.init_from) if args.init_from is not None and not resume else None
     if init_dir is not None and args.tokenizer is None and _has_tokenizer(init_dir):
         args = dataclasses.replace(args, tokenizer=str(init_dir))
-    data = prepare_data(args, run_dir)
+    # rank 0 trains the tokenizer and fills the token cache; the other ranks then read both from the run directory
+    if main:
+        data = prepare_data(args, run_dir)
+    barrier(dist_env)
+    if not main:
+        data = prepare_data(args, run_dir)
     if resume:
         config = K3Config.load(run_dir / "config.json")
     elif init_dir is not None:
         config = init_config(args, init_dir, data.tokenizer)
-        config.save(run_dir / "config.json")
     else:
         config = resolve_model_config(args, data.tokenizer)
-        config.save(run_dir / "config.json")
-    write_json(run_dir / ARGS_FILE, dataclasses.asdict(args))
+    if main:
+        if not resume:
+            config.save(run_dir / "config.json")
+        write_json(run_dir / ARGS_FILE, dataclasses.asdict(args))
 
     torch.manual_seed(args.seed)
     qat = config.mxfp4_experts if args.qat is None else args.qat
@@ -672,18 +797,31 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model = K3ForCausalLM(config, qat=qat)
         model.reset_parameters(seed=args.seed)
     model.to(device)
+    if dist_env is not None:  # FSDP2 over the data-parallel ranks (parallel/fsdp.py); the optimizer sees the shards
+        apply_fsdp(model, build_mesh(ParallelDims(dp=args.dp), dist_env))
     lac = config.linear_attn_config
     opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                           head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
                                      "mla_kv": config.qk_nope_head_dim + config.v_head_dim})
-    stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed)
+    world = 1 if dist_env is None else dist_env.world
+    stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed,
+                        rows=None if dist_env is None else rows_of_rank(args.batch_size, dist_env.rank, world))
     balancer = RouterBalancer(model, args.balance, args.qb_bins, args.sign_rate)
     max_logits = MLAMaxLogits(model) if args.qk_clip is not None else None
     phases = parse_seq_len_schedule(args.seq_len_schedule)
 
     step, tokens_seen, elapsed_before = 0, 0, 0.0
-    if resume:
+    if resume and dist_env is not None:
         ckpt = run_dir / CHECKPOINTS / latest.read_text().strip()
+        step, tokens_seen, elapsed_before = load_distributed_checkpoint(ckpt, model, opt, stream)
+        if main:
+            truncate_metrics(run_dir / METRICS_FILE, step)
+        print(f"resumed from {ckpt} at step {step} (DCP, now on {world} ranks)")
+    elif resume:
+        ckpt = run_dir / CHECKPOINTS / latest.read_text().strip()
+        if not (ckpt / TRAINER_STATE).is_file():
+            raise ValueError(f"--resume: {ckpt} is a sharded checkpoint of a data-parallel run; resume it under "
+                             f"torchrun (--nproc N, any N that divides --batch-size)")
         state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -731,15 +869,18 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             with autocast(args.dtype, device):
                 out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
                             loss_chunk=args.loss_chunk, record=True, record_attnres=record_attnres)
-            (out.loss / args.grad_accum).backward()
-            loss_sum += out.loss.item()
+            # data parallel: this rank's share of the global batch's mean loss (FSDP averages the gradients)
+            share = 1.0 if dist_env is None else global_loss_share(batch.labels, world)
+            (out.loss * share / args.grad_accum).backward()
+            loss_sum += out.loss.item() if dist_env is None else sum_over_ranks(out.loss.detach() * share / world)
             balancer.after_forward(out.router)
             if record_attnres:
                 attnres = out.attnres
-            tokens_seen += batch.input_ids.numel()
-            interval_tokens += batch.input_ids.numel()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                         args.grad_clip if args.grad_clip > 0 else float("inf")))
+            tokens_seen += batch.input_ids.numel() * world
+            interval_tokens += batch.input_ids.numel() * world
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         opt.step()
         opt.zero_grad()
         if max_logits is not None:
@@ -765,19 +906,26 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                 record.update(val_loss=ev["loss"], val_bpb=ev["bpb"])
                 result.final_eval = ev
                 bar.write(f"step {step}: train loss {loss:.4f}, val loss {ev['loss']:.4f}, val bpb {ev['bpb']:.4f}")
-            with open(run_dir / METRICS_FILE, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            if main:
+                with open(run_dir / METRICS_FILE, "a") as f:
+                    f.write(json.dumps(record) + "\n")
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{args.lr * lr_scale:.2e}", refresh=False)
         bar.update(1)
-        if step % args.ckpt_every == 0 or step == end:
+        if (step % args.ckpt_every == 0 or step == end) and dist_env is not None:
+            save_distributed_checkpoint(run_dir, step, model, opt, stream, data.tokenizer, args, tokens_seen,
+                                        elapsed_before + time.time() - t_run, main)
+        elif step % args.ckpt_every == 0 or step == end:
             save_checkpoint(run_dir, step, model, data.tokenizer, args, trainer_state())
+        if (step % args.ckpt_every == 0 or step == end) and main:
             # matplotlib costs a second to import: only once there is something to draw
             from openk3.train import plots
 
             plots.plot_run(run_dir)  # 0.3 s
     bar.close()
 
-    if args.sample and step == args.steps:
+    if args.sample and step == args.steps and dist_env is not None:
+        print(f"no sample in a data-parallel run: `openk3 generate --model {run_dir}` samples from its checkpoint")
+    elif args.sample and step == args.steps:
         ids = generate(model, data.tokenizer, args.sample_prompt, max_tokens=args.sample_tokens,
                        temperature=args.sample_temperature, seed=args.seed)
         result.sample = args.sample_prompt + data.tokenizer.decode(ids)
@@ -873,7 +1021,11 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-temperature", type=float, help=f"[{d.sample_temperature}]")
     p.add_argument("--threads", type=int, help=f"torch CPU threads [{d.threads}]")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
-    p.set_defaults(fn=cmd_train)
+    p.add_argument("--nproc", type=int, help="run under torchrun with this many local processes, data parallel "
+                                             "(FSDP2; --batch-size stays the global batch) [1: no torchrun]")
+    p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; must equal the number of processes "
+                                          "[all of them]")
+    p.set_defaults(fn=cmd_train, parser=p)
 
     p = sub.add_parser("eval")
     p.add_argument("--model", required=True, help="checkpoint directory or run directory (its latest checkpoint)")
@@ -889,7 +1041,14 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> None:
-    cli = {k: v for k, v in vars(ns).items() if k not in ("fn", "command", "resume")}
+    if ns.nproc is not None and ns.nproc > 1 and not under_torchrun():
+        from openk3.parallel.launch import argv_from_namespace, run_torchrun
+
+        run_torchrun(ns.nproc, "train", argv_from_namespace(ns.parser, ns, skip={"nproc"}))
+        return
+    if ns.nproc is not None and ns.nproc < 1:
+        raise ValueError(f"--nproc={ns.nproc}: must be a positive integer")
+    cli = {k: v for k, v in vars(ns).items() if k not in ("fn", "command", "resume", "parser", "nproc")}
     train(resolve_train_args(cli, ns.resume), resume=ns.resume)
 
 
