@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -73,10 +73,19 @@ def load_sharded(model: nn.Module, optimizers, path: str | Path) -> None:
     state = {MODEL_KEY: get_model_state_dict(model)}
     if optimizers is not None:
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizers)
+        # NOTE: a parameter that never had a gradient (layer 0's AttnRes query, which has nothing to mix) has no
+        # optimizer state in the saved run, but get_optimizer_state_dict gives every parameter a fresh one: keep
+        # that fresh (unused) state instead of asking the checkpoint for it. Model tensors stay strictly required.
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        per_param = state[OPTIM_KEY]["state"]
+        never_stepped = [f for f in per_param if not any(f"{OPTIM_KEY}.state.{f}.{k}" in saved for k in per_param[f])]
+        for fqn in never_stepped:
+            del per_param[fqn]
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state[MODEL_KEY])
     if optimizers is not None:
-        set_optimizer_state_dict(model, optimizers, state[OPTIM_KEY])
+        set_optimizer_state_dict(model, optimizers, state[OPTIM_KEY],
+                                 options=StateDictOptions(strict=not never_stepped))
 
 
 # ------------------------------------------------------------------------------------- DCP -> release

@@ -1,0 +1,41 @@
+"""Run a function on a gloo process group of N CPU processes spawned from inside pytest.
+
+    results = spawn(2, worker, tmp_path, extra)   # worker(rank, world, tmp_path, extra) in each process
+
+Each call gets its own free port. Workers return results through files (rank 0 usually writes them): spawned
+processes share nothing with the test process.
+"""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world: int, fn, *args) -> None:
+    """fn(rank, world, *args) in `world` fresh processes with env:// set for torch.distributed (not initialised:
+    the code under test joins the group itself, or `init_gloo` does). Raises if any process fails."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
+
+
+def init_gloo() -> None:
+    dist.init_process_group("gloo")
