@@ -1,0 +1,155 @@
+"""Muon, QK-Clip and Quantile Balancing on 2 gloo ranks equal their one-process versions.
+
+One spawn of 2 CPU processes (tests/parallel/dist.py) runs all three on the ranks (starting processes costs seconds
+on a busy 2-core machine); rank 0 writes what they computed to a file, and each test compares its part with the
+same computation done here in one process.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from openk3.train import balance
+from openk3.train.optim import Muon, qk_clip_mla_
+from tests.parallel.dist import init_gloo, spawn
+
+def _worker(rank: int, world: int, out) -> None:
+    init_gloo()
+    results = {"muon": _sharded_muon(), "qk_clip": _sharded_qk_clip(),
+               "histogram": _all_reduced_histograms(rank, world)}
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("collectives") / "results.pt"
+    spawn(2, _worker, out)
+    return torch.load(out, weights_only=True)
+
+
+# awkward sizes: 9 and 5 rows do not split evenly over 2 ranks (FSDP2 pads the last shard)
+HEADS, HEAD_ROWS, COLS = 3, 3, 7
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(COLS, 5, bias=False)
+        self.heads = nn.Linear(COLS, HEADS * HEAD_ROWS, bias=False)  # Per-Head Muon rows
+
+
+def toy_and_grads(seed: int = 0) -> tuple[Toy, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = Toy()
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    return model, grads
+
+
+def muon_steps(model: Toy, grads: dict, steps: int = 3) -> None:
+    opt = Muon([{"params": [model.a.weight], "head_dim": None},
+                {"params": [model.heads.weight], "head_dim": HEAD_ROWS}], lr=0.05, weight_decay=0.1)
+    for step in range(steps):
+        for n, p in model.named_parameters():
+            g = grads[n] * (step + 1)
+            p.grad = DTensor.from_local(g, p.device_mesh, [torch.distributed.tensor.Replicate()]).redistribute(
+                p.device_mesh, p.placements) if isinstance(p, DTensor) else g.clone()
+        opt.step()
+
+
+def _sharded_muon() -> dict:
+    model, grads = toy_and_grads()
+    fully_shard(model)
+    assert isinstance(model.a.weight, DTensor)
+    muon_steps(model, grads)
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_muon_on_sharded_parameters_equals_unsharded(sharded_results):
+    """Muon's update of FSDP2-sharded matrices (whole matrix and Per-Head blocks, uneven shards) is the one-process
+    update exactly: the gathered update is orthogonalised whole and each rank keeps its rows."""
+    model, grads = toy_and_grads()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    muon_steps(model, grads)
+    sharded = sharded_results["muon"]
+    for n, p in model.named_parameters():
+        assert not torch.equal(p, before[n])
+        assert torch.equal(sharded[n], p.detach()), n
+
+
+def _qk_clip_inputs():
+    torch.manual_seed(1)
+    H, nope, rope, v, dim, lora = 3, 4, 2, 3, 5, 6
+    q = torch.randn(H * (nope + rope), dim)
+    kv = torch.randn(H * (nope + v), lora)
+    return q, kv, torch.tensor([50.0, 200.0, 400.0]), dict(qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v)
+
+
+def _sharded_qk_clip() -> dict:
+    q, kv, max_logit, dims = _qk_clip_inputs()
+    model = nn.Module()
+    model.q, model.kv = nn.Parameter(q), nn.Parameter(kv)
+    fully_shard(model)
+    with torch.no_grad():
+        qk_clip_mla_(model.q, model.kv, max_logit, 100.0, **dims)
+    return {"q": model.q.full_tensor(), "kv": model.kv.full_tensor()}
+
+
+def test_qk_clip_on_sharded_weights_equals_unsharded(sharded_results):
+    q, kv, max_logit, dims = _qk_clip_inputs()
+    q0 = q.clone()
+    qk_clip_mla_(q, kv, max_logit, 100.0, **dims)
+    sharded = sharded_results["qk_clip"]
+    assert not torch.equal(q, q0)
+    assert torch.equal(sharded["q"], q) and torch.equal(sharded["kv"], kv)
+
+
+# ----------------------------------------------------------------------------------------- Quantile Balancing
+
+LAYERS, TOKENS, EXPERTS, K, BINS = 3, 101, 8, 2, 64
+
+
+def _scores_and_biases():
+    torch.manual_seed(2)
+    scores = torch.sigmoid(torch.randn(LAYERS, TOKENS, EXPERTS) * 2 + torch.linspace(-1, 1, EXPERTS))
+    biases = torch.randn(LAYERS, EXPERTS) * 0.05
+    return scores, biases
+
+
+def _all_reduced_histograms(rank: int, world: int) -> dict:
+    scores, biases = _scores_and_biases()
+    hists = [balance.QuantileHistogram(biases[i], K, BINS) for i in range(LAYERS)]
+    mine = torch.tensor_split(torch.arange(TOKENS), world)[rank]  # uneven: 51 and 50 tokens
+    for i, h in enumerate(hists):
+        h.update(scores[i, mine])
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        balance.all_reduce_histograms_(hists)
+    finally:
+        dist.all_reduce = all_reduce
+    return {"counts": [h.counts for h in hists], "bias": [h.bias() for h in hists], "calls": len(calls)}
+
+
+def test_histogram_all_reduce_equals_one_process(sharded_results):
+    """Every layer's histogram summed over 2 ranks with ONE all-reduce is the histogram of all the tokens in one
+    process, so the new biases are identical."""
+    got = sharded_results["histogram"]
+    assert got["calls"] == 1
+    scores, biases = _scores_and_biases()
+    for i in range(LAYERS):
+        h = balance.QuantileHistogram(biases[i], K, BINS)
+        h.update(scores[i])
+        assert torch.equal(got["counts"][i], h.counts)
+        assert torch.equal(got["bias"][i], h.bias())
+        # and the histogram reading is within two bins of the exact update (balance.py's bound)
+        assert (h.bias() - balance.quantile_balance_exact(scores[i], biases[i], K)).abs().max() <= 2 * h.bin_width
