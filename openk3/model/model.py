@@ -167,16 +167,10 @@ class KimiDeltaAttention(nn.Module):
         With `keep_inputs`, `state.inputs` gets this forward's per-token inputs (`KDAState`), else None."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-        tail = state.conv if state is not None else None
-        qkv_act = recomputed(causal_conv_silu, qkv, conv_w, pos, tail).to(x.dtype)
+        qkv = self.qkv_proj(x)
+        q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None)
         if state is not None:
             state.conv = torch.cat([state.conv, qkv.to(state.conv.dtype)], dim=1)[:, -(self.W - 1):]
-        q, k, v = (t.unflatten(-1, (H, K)) for t in qkv_act.split(H * K, dim=-1))
-        g = self.decay(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        if state is not None:
             state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
         backend = select_kda_backend(x.device)
         kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
@@ -191,8 +185,27 @@ class KimiDeltaAttention(nn.Module):
             o, final = kda(q, k, v, g, beta, initial_state=init, output_final_state=state is not None, **args)
             if state is not None:
                 state.recurrent = final
+        return self.output(o, x)
+
+    # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
+    # context-parallel kernel.
+    def qkv_proj(self, x: Tensor) -> Tensor:
+        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side)."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def kernel_inputs(self, x: Tensor, qkv: Tensor, pos: Tensor | None,
+                      tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The delta rule's q, k, v [B, T, H, K] (conv + SiLU of `qkv`, whose W-1 preceding inputs are `tail`),
+        g [B, T, H, K] and beta [B, T, H] (both fp32)."""
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        qkv_act = recomputed(causal_conv_silu, qkv, conv_w, pos, tail).to(x.dtype)
+        q, k, v = (t.unflatten(-1, (self.H, self.K)) for t in qkv_act.split(self.H * self.K, dim=-1))
+        return q, k, v, self.decay(x), torch.sigmoid(self.b_proj(x).float())
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """The delta rule's output o [B, T, H, K] -> [B, T, D]: per-head norm, sigmoid gate of x, o_proj."""
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o) * torch.sigmoid(gate.float()).unflatten(-1, (H, K)).to(o.dtype)
+        o = self.o_norm(o) * torch.sigmoid(gate.float()).unflatten(-1, (self.H, self.K)).to(o.dtype)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
 
@@ -277,6 +290,10 @@ class GatedMLA(nn.Module):
             o = self.attend_absorbed(q, lat, mask)
         else:
             o = self.attend_expanded(q, lat, mask, causal=True)
+        return self.output(o, x)
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Attention output o [B, T, H, vd] -> [B, T, D]: the sigmoid gate of x (when configured), o_proj."""
         if self.use_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).unflatten(-1, (self.H, self.vd)).to(o.dtype)
         return self.o_proj(o.flatten(-2))

@@ -1,0 +1,116 @@
+"""Context parallelism: one packed sequence split into contiguous segments over a CP group (K3_SPEC section 8).
+
+    y = kda_context_parallel(attn, x_local, cu_seqlens, group)    # a KimiDeltaAttention layer
+    y = mla_context_parallel(attn, x_local, cu_seqlens, group)    # a GatedMLA layer
+
+Rank r of R holds tokens [r L, (r+1) L) of one packed row of R L tokens (B = 1, fla's varlen convention); every
+rank gets the *global* `cu_seqlens` (document starts over the whole row, cheap to share) and its own x [1, L, D].
+The result equals the layer's forward on the unsplit row, restricted to this rank's tokens, forward and backward.
+This is the torch reference of the method (it runs on the CPU with gloo); on GPU fla's `cp_context` implements
+the same method in Triton [not wired here].
+
+KDA. The delta rule is affine in the incoming state: a segment maps S_in to S_out = M S_in + S_ext (M [K, K] per
+head, the product of the segment's transitions; S_ext [K, V] the state it builds from zero). One kernel call gives
+both: the kernel runs on v augmented by K zero columns from the initial state [0 | I] (for the segment's first
+document piece when it continues a document of the previous rank, else zeros), so the state's extra columns evolve
+as X_t = A_t X_{t-1}: the final state is [S_ext | M] in fp32. A document that starts inside the segment restarts
+from zero, which makes M = 0 by itself. All ranks all-gather their [S_ext | M] (fixed size, independent of L), and
+rank r folds the earlier ones, S <- M_j S + S_ext_j for j < r, into its true initial state S_in. The same augmented
+run also holds each token's X_t^T q_t in the extra output columns, so the true output is
+o_t = o_t(from zero) + (X_t^T q_t) S_in: no second kernel call. The short conv needs the W-1 pre-conv inputs before
+the segment: a halo all-gathered from the previous rank (positions inside the document mask it where a document
+starts). Backward: the all-gathers are differentiable, so the gradient of S_in flows back through the fold to the
+earlier ranks' (M, S_ext) (the fold with M^T) and from there into their segments.
+
+MLA. Each rank all-gathers the 576-wide (K3) latents [c | k_pe] of every token (cheap), and attends its own queries
+to the whole row with the block-diagonal causal mask of the packed documents, shifted to its offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import Tensor
+
+from openk3.model.model import GatedMLA, KimiDeltaAttention, segment_positions
+from openk3.ops.kda import select_kda_backend
+
+
+
+def _segment(cu_seqlens: Tensor, L: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's view of the global packing: (positions inside the document [L], the local cu_seqlens [P+1]
+    of its document pieces, each global segment's "continues a document" flag [world])."""
+    cu = cu_seqlens.to(torch.long).cpu()
+    T = L * world
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to the whole row's {T} tokens ({world} ranks x "
+                         f"{L}), got {cu.tolist()}")
+    pos = segment_positions(cu, T)
+    start = rank * L
+    inner = cu[(cu > start) & (cu < start + L)] - start
+    local = torch.cat([torch.tensor([0]), inner, torch.tensor([L])])
+    continues = pos[torch.arange(world) * L] > 0
+    return pos[start:start + L], local, continues
+
+
+def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's segment x [1, L, D] -> [1, L, D]
+    (see the module docstring)."""
+    if x.dim() != 3 or x.shape[0] != 1:
+        raise ValueError(f"context parallelism splits one packed row: x must be [1, L, D], got {tuple(x.shape)}")
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    L, W, H, K = x.shape[1], attn.W, attn.H, attn.K
+    if L < W - 1:
+        raise ValueError(f"each rank needs at least the conv halo of {W - 1} tokens, got {L}")
+    pos, local_cu, continues = _segment(cu_seqlens, L, rank, R)
+    device = x.device
+
+    qkv = attn.qkv_proj(x)
+    # the W-1 conv inputs before my segment: the previous rank's last ones (masked by pos where a document starts)
+    halos = dist_fn.all_gather(qkv[0, -(W - 1):].contiguous(), group=group)
+    # NOTE: every gathered tensor must stay in every rank's graph (rank 0's halo as zeros), else that rank skips
+    # the all-gather's backward collective while the others wait in it
+    tail = (halos[rank - 1] if rank > 0 else 0 * halos[-1])[None]
+    q, k, v, g, beta = attn.kernel_inputs(x, qkv, pos.to(device)[None], tail)
+
+    # one kernel call on [v | 0]: the state's extra K columns start at I for a continuing first piece
+    pieces = local_cu.numel() - 1
+    init = q.new_zeros(pieces, H, K, K + K, dtype=torch.float32)
+    if continues[rank]:
+        init[0, :, :, K:] = torch.eye(K, device=device)
+    v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
+    kernel = select_kda_backend(device).chunk
+    o_aug, final = kernel(q, k, v_aug, g, beta, scale=K ** -0.5, initial_state=init, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, cu_seqlens=local_cu.to(device))
+    o_zero, readout = o_aug.float().split([K, K], dim=-1)  # [1, L, H, K] each; readout_t = X_t^T q_t
+
+    # all-gather every segment's [S_ext | M] (fp32, [H, K, V + K]) and fold the earlier ones: S_in
+    pairs = dist_fn.all_gather(final[-1].contiguous(), group=group)
+    S_in = final.new_zeros(H, K, K)
+    for j in range(R):
+        S_ext, M = pairs[j].split([K, K], dim=-1)
+        S_in = M @ S_in + S_ext if j < rank else S_in + 0 * pairs[j][..., :K]  # (the NOTE above)
+    o = o_zero + torch.einsum("bthk,hkv->bthv", readout, S_in)  # X_t = 0 after a document start
+    return attn.output(o.to(q.dtype), x)
+
+
+def mla_context_parallel(attn: GatedMLA, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`attn(x_full, mask=the packed block-diagonal causal mask)` restricted to this rank's segment x [1, L, D]."""
+    if x.dim() != 3 or x.shape[0] != 1:
+        raise ValueError(f"context parallelism splits one packed row: x must be [1, L, D], got {tuple(x.shape)}")
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    L = x.shape[1]
+    _segment(cu_seqlens, L, rank, R)  # validates the packing
+    cu = cu_seqlens.to(torch.long).cpu()
+    T = L * R
+    doc = torch.zeros(T, dtype=torch.long)
+    doc[cu[1:-1]] = 1
+    doc = doc.cumsum(0)
+    q = attn.query(x)
+    lat = torch.cat(dist_fn.all_gather(attn.latent(x)[0].contiguous(), group=group))[None]  # [1, T, r + rope]
+    rows = torch.arange(rank * L, (rank + 1) * L)
+    cols = torch.arange(T)
+    mask = (doc[rows][:, None] == doc[None, :]) & (cols[None, :] <= rows[:, None])
+    o = attn.attend_expanded(q, lat, mask[None, None].to(x.device), causal=False)
+    return attn.output(o, x)
