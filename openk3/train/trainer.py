@@ -52,7 +52,7 @@ from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
 from openk3.parallel.dcp import dcp_to_release_into, load_sharded, save_sharded
-from openk3.parallel.fsdp import apply_fsdp
+from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
 from openk3.parallel.mesh import DistEnv, ParallelDims, build_mesh, init_distributed, rows_of_rank, under_torchrun
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
@@ -120,6 +120,7 @@ class TrainArgs:
     progress: bool = True  # tqdm progress bar
     # Data-parallel ranks (FSDP2) when run under torchrun / --nproc; None = every process. docs/parallel.md
     dp: int | None = None
+    activation_checkpointing: bool = False  # recompute token mixers and dense MLPs in backward (parallel/fsdp.py)
 
 
 # Settings that define the math of a run: `--resume` refuses to change them.
@@ -797,6 +798,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model = K3ForCausalLM(config, qat=qat)
         model.reset_parameters(seed=args.seed)
     model.to(device)
+    if args.activation_checkpointing:  # before FSDP: torchtitan's order (parallel/__init__.py)
+        apply_activation_checkpointing(model)
     if dist_env is not None:  # FSDP2 over the data-parallel ranks (parallel/fsdp.py); the optimizer sees the shards
         apply_fsdp(model, build_mesh(ParallelDims(dp=args.dp), dist_env))
     lac = config.linear_attn_config
@@ -1023,6 +1026,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--nproc", type=int, help="run under torchrun with this many local processes, data parallel "
                                              "(FSDP2; --batch-size stays the global batch) [1: no torchrun]")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute the token mixers and dense MLPs in backward (less activation memory)")
     p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; must equal the number of processes "
                                           "[all of them]")
     p.set_defaults(fn=cmd_train, parser=p)
