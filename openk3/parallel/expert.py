@@ -18,7 +18,7 @@ MoonEP, step by step (one forward; every step but the collectives is computed id
      grouped by local expert slot (home experts, then replicas).
   5. the local experts run (`moe_experts`, the grouped or loop backend) on their rows.
   6. combine: the reverse all-to-all; the source weights each pair's output by its routing weight and sums the K.
-All collectives are torch.distributed.nn.functional's differentiable ones, so backward is the mirror image: the
+All collectives are torch.distributed's differentiable functional ones, so backward is the mirror image: the
 gradient of a replica's weights returns through the reverse of step 3 and is summed into its home expert's
 gradient, before any optimizer sees it.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from openk3.ops import moe_experts
@@ -181,8 +181,7 @@ def ep_moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD:
     # 4. dispatch the token rows
     token_P = torch.arange(T * K) // K
     x_send = x_TD[token_P[send_order].to(device)]
-    x_recv = x_send.new_empty(sum(recv_split), x_TD.shape[1])
-    x_recv = dist_fn.all_to_all_single(x_recv, x_send, recv_split, send_split, group=group)
+    x_recv = all_to_all(x_send, recv_split, send_split, group)
 
     # 5. the local experts, one row per (token, expert) pair
     slots_N1 = torch.tensor(recv_slot, dtype=torch.long, device=device)[:, None]
@@ -190,12 +189,17 @@ def ep_moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD:
                            w3, act, weight_fn=weight_fn)
 
     # 6. combine: back to the sources, weighted by the routing weights, summed over the K experts (fp32)
-    out_send = out_recv.new_empty(T * K, x_TD.shape[1])
-    out_send = dist_fn.all_to_all_single(out_send, out_recv, send_split, recv_split, group=group)
+    out_send = all_to_all(out_recv, send_split, recv_split, group)
     out_P = torch.empty_like(out_send).index_copy(0, send_order.to(device), out_send)
     acc = torch.promote_types(x_TD.dtype, torch.float32)
     y = (out_P.view(T, K, -1).to(acc) * topk_w_TK.to(acc)[..., None]).sum(1)
     return y.to(x_TD.dtype)
+
+
+def all_to_all(x: Tensor, recv_split: list[int], send_split: list[int], group) -> Tensor:
+    """Differentiable all-to-all of the rows of x (its backward is the reverse all-to-all)."""
+    out = funcol.all_to_all_single_autograd(x.contiguous(), recv_split, send_split, group or dist.group.WORLD)
+    return funcol.wait_tensor(out)
 
 
 def _local_experts(w1: Tensor, w2: Tensor, w3: Tensor, sp: SlotPlan, rank: int, R: int, per: int,
@@ -212,8 +216,7 @@ def _local_experts(w1: Tensor, w2: Tensor, w3: Tensor, sp: SlotPlan, rank: int, 
     if not any(sp.replicas(r, per) for r in range(R)):  # the same answer on every rank: all skip, or none
         return w1, w2, w3
     send = flat_home[[e - rank * per for e in send_experts]].reshape(-1)
-    recv = send.new_empty(sum(recv_split))
-    recv = dist_fn.all_to_all_single(recv, send, recv_split, send_split, group=group)
+    recv = all_to_all(send, recv_split, send_split, group)
     flat = torch.cat([flat_home, recv.view(len(mine), flat_home.shape[1])])
     a, b, c = flat.split(sizes, dim=1)
     return a.view(-1, *w1.shape[1:]), b.view(-1, *w2.shape[1:]), c.view(-1, *w3.shape[1:])

@@ -39,3 +39,9 @@ def spawn(world: int, fn, *args) -> None:
 
 def init_gloo() -> None:
     dist.init_process_group("gloo")
+
+
+def init_nccl() -> None:
+    """One GPU per rank (LOCAL_RANK), NCCL: the tests marked gpu."""
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")

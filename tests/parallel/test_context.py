@@ -33,12 +33,12 @@ def layer_and_inputs(kind: str):
 
 def full_forward(layer, kind: str, x: torch.Tensor) -> torch.Tensor:
     if kind == "kda":
-        return layer(x, cu_seqlens=CU, pos=segment_positions(CU, R * L)[None])
+        return layer(x, cu_seqlens=CU.to(x.device), pos=segment_positions(CU, R * L)[None].to(x.device))
     doc = torch.zeros(R * L, dtype=torch.long)
     doc[CU[1:-1]] = 1
     doc = doc.cumsum(0)
     mask = (doc[:, None] == doc[None, :]) & torch.ones(R * L, R * L, dtype=torch.bool).tril()
-    return layer(x, mask=mask[None, None])
+    return layer(x, mask=mask[None, None].to(x.device))
 
 
 def _worker(rank: int, world: int, out) -> None:
