@@ -30,12 +30,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from openk3.model.model import GatedMLA, KimiDeltaAttention, segment_positions
 from openk3.ops.kda import select_kda_backend
 
+
+
+def all_gather(x: Tensor, world: int, group) -> list[Tensor]:
+    """Every rank's x (same shape on all), differentiable: the backward sums each rank's gradients home."""
+    out = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group or dist.group.WORLD)
+    return list(funcol.wait_tensor(out).chunk(world))
 
 
 def _segment(cu_seqlens: Tensor, L: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -68,7 +74,7 @@ def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor
 
     qkv = attn.qkv_proj(x)
     # the W-1 conv inputs before my segment: the previous rank's last ones (masked by pos where a document starts)
-    halos = dist_fn.all_gather(qkv[0, -(W - 1):].contiguous(), group=group)
+    halos = all_gather(qkv[0, -(W - 1):], R, group)
     # NOTE: every gathered tensor must stay in every rank's graph (rank 0's halo as zeros), else that rank skips
     # the all-gather's backward collective while the others wait in it
     tail = (halos[rank - 1] if rank > 0 else 0 * halos[-1])[None]
@@ -86,7 +92,7 @@ def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor
     o_zero, readout = o_aug.float().split([K, K], dim=-1)  # [1, L, H, K] each; readout_t = X_t^T q_t
 
     # all-gather every segment's [S_ext | M] (fp32, [H, K, V + K]) and fold the earlier ones: S_in
-    pairs = dist_fn.all_gather(final[-1].contiguous(), group=group)
+    pairs = all_gather(final[-1], R, group)
     S_in = final.new_zeros(H, K, K)
     for j in range(R):
         S_ext, M = pairs[j].split([K, K], dim=-1)
@@ -108,7 +114,7 @@ def mla_context_parallel(attn: GatedMLA, x: Tensor, cu_seqlens: Tensor, group=No
     doc[cu[1:-1]] = 1
     doc = doc.cumsum(0)
     q = attn.query(x)
-    lat = torch.cat(dist_fn.all_gather(attn.latent(x)[0].contiguous(), group=group))[None]  # [1, T, r + rope]
+    lat = torch.cat(all_gather(attn.latent(x)[0], R, group))[None]  # [1, T, r + rope]
     rows = torch.arange(rank * L, (rank + 1) * L)
     cols = torch.arange(T)
     mask = (doc[rows][:, None] == doc[None, :]) & (cols[None, :] <= rows[:, None])
