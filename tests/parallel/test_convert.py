@@ -7,6 +7,7 @@ from openk3 import cli
 from openk3.model.checkpoint import init_checkpoint, load_pretrained, read_index
 from openk3.model.model import keeps_fp32
 from openk3.parallel import dcp as pdcp
+from tests.parallel.dist import spawn
 from tests.train.test_train import small_config
 
 
@@ -58,3 +59,18 @@ def test_convert_errors_name_the_bad_path(release, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["convert", str(release / "release"), str(tmp_path / "o"), "--dtype", "bf16"])
     assert "--dtype bf16 applies to DCP -> release" in capsys.readouterr().err
+
+
+def _convert_worker(rank: int, world: int, src, out) -> None:
+    cli.main(["convert", str(src), str(out)])  # joins the gloo group from the env, as under torchrun
+
+
+def test_release_to_dcp_on_two_ranks(release, tmp_path):
+    """Under torchrun each rank fills only its FSDP2 shards from the safetensors files and writes them; the
+    result holds the same model."""
+    spawn(2, _convert_worker, release / "release", tmp_path / "dcp2")
+    assert sorted(p.name for p in (tmp_path / "dcp2").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    cli.main(["convert", str(tmp_path / "dcp2"), str(tmp_path / "back2")])
+    a = load_pretrained(release / "release").state_dict()
+    b = load_pretrained(tmp_path / "back2").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
