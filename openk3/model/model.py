@@ -331,6 +331,13 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, inter))
         self.w3 = nn.Parameter(torch.empty(n, inter, dim))
 
+    def forward(self, z: Tensor, idx: Tensor, w: Tensor, act, weight_fn=None) -> Tensor:
+        """sum_k w[t, k] E_idx[t, k](z_t) [T, De] (openk3.ops.moe_experts). parallel/expert.py swaps this forward
+        for the expert-parallel one."""
+        # NOTE: under autocast z is bf16 while the stacked expert parameters stay fp32: cast them like a Linear would
+        return moe_experts(z, idx, w.to(z.dtype), self.w1.to(z.dtype), self.w2.to(z.dtype), self.w3.to(z.dtype), act,
+                           weight_fn=weight_fn)
+
 
 class MoE(nn.Module):
     """Stable LatentMoE (K3, when `routed_expert_hidden_size` is set) or the plain Kimi-Linear MoE.
@@ -363,10 +370,7 @@ class MoE(nn.Module):
         z = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         if qat:
             z = fake_quant_mxfp8(z)
-        e = self.experts
-        # NOTE: under autocast z is bf16 while the stacked expert parameters stay fp32: cast them like a Linear would
-        u = moe_experts(z, idx, w.to(z.dtype), e.w1.to(z.dtype), e.w2.to(z.dtype), e.w3.to(z.dtype), self.act,
-                        weight_fn=fake_quant_mxfp4 if qat else None)
+        u = self.experts(z, idx, w, self.act, weight_fn=fake_quant_mxfp4 if qat else None)
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
                 u = self.routed_expert_norm(u)

@@ -25,8 +25,10 @@ gradient, before any optimizer sees it.
 `plan="plain"` is the unbalanced baseline: every pair goes to its home rank, so a rank receives as many rows as
 its experts were chosen (variable, up to R S K). It uses the same counts and the same code path.
 
-NOTE: not wired into the trainer (no `--ep` yet): the layer is a drop-in for `moe_experts` given an EP process
-group, tested against the one-process MoE forward and backward (tests/parallel/test_expert.py).
+In the trainer (`openk3 train --nproc N --ep M`), `apply_expert_parallel` swaps every MoE's `Experts` for
+`ExpertParallelExperts`: its stacks become DTensors holding this rank's home experts (Shard(0) over the mesh's
+"ep" dimension, Replicate over "dp_rep"), FSDP leaves them alone, and `finish_expert_gradients_` turns their
+gradients into the global-batch mean that FSDP's average gives the other parameters.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from openk3.model.model import Experts, K3ForCausalLM
 from openk3.ops import moe_experts
 from openk3.ops.moe import Activation, WeightFn
 
@@ -220,6 +225,56 @@ def _local_experts(w1: Tensor, w2: Tensor, w3: Tensor, sp: SlotPlan, rank: int, 
     flat = torch.cat([flat_home, recv.view(len(mine), flat_home.shape[1])])
     a, b, c = flat.split(sizes, dim=1)
     return a.view(-1, *w1.shape[1:]), b.view(-1, *w2.shape[1:]), c.view(-1, *w3.shape[1:])
+
+
+class ExpertParallelExperts(Experts):
+    """`Experts` whose stacks hold only this rank's home experts (DTensors: Shard(0) over "ep", Replicate over
+    "dp_rep"); its forward is `ep_moe_experts` over the EP group. Made by `apply_expert_parallel`."""
+
+    ep_group: object
+    plan: str
+
+    def forward(self, z: Tensor, idx: Tensor, w: Tensor, act, weight_fn=None) -> Tensor:
+        w1, w2, w3 = (p.to_local().to(z.dtype) for p in (self.w1, self.w2, self.w3))
+        return ep_moe_experts(z, idx, w.to(z.dtype), w1, w2, w3, act, weight_fn, group=self.ep_group, plan=self.plan)
+
+
+def apply_expert_parallel(model: K3ForCausalLM, mesh: DeviceMesh, plan: str = "moonep") -> list[nn.Parameter]:
+    """Split every MoE layer's routed experts over the mesh's "ep" dimension (in place; before FSDP, which must
+    ignore the returned parameters). Each rank keeps experts [r E/R, (r+1) E/R) of the full stacks it holds now."""
+    if plan not in PLANS:
+        raise ValueError(f"plan={plan!r}: expected one of {PLANS}")
+    ep = mesh["ep"]
+    R, r = ep.size(), ep.get_local_rank()
+    params = []
+    for moe in model.moe_layers():
+        experts = moe.experts
+        E = experts.w1.shape[0]
+        if E % R:
+            raise ValueError(f"--ep={R}: the {E} routed experts of a layer cannot be split evenly over {R} ranks")
+        per = E // R
+        for name in ("w1", "w2", "w3"):
+            local = getattr(experts, name).detach()[r * per:(r + 1) * per].clone()
+            p = nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False))
+            setattr(experts, name, p)
+            params.append(p)
+        experts.__class__ = ExpertParallelExperts
+        experts.ep_group, experts.plan = ep.get_group(), plan
+    return params
+
+
+@torch.no_grad()
+def finish_expert_gradients_(params: list[nn.Parameter], mesh: DeviceMesh, world: int) -> None:
+    """After backward: sum the expert gradients over the "dp_rep" replicas (the EP all-to-all already summed those
+    of the EP group) and divide by the data-parallel world size, as FSDP's gradient average does for the rest."""
+    rep = mesh["dp_rep"]
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local()
+        if rep.size() > 1:
+            dist.all_reduce(g, group=rep.get_group())
+        g.div_(world)
 
 
 def load_imbalance(received: list[int]) -> float:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from openk3.model.model import K3ForCausalLM, KimiDeltaAttention
 
@@ -41,13 +42,14 @@ def apply_activation_checkpointing(model: K3ForCausalLM) -> None:
 
 
 def apply_fsdp(model: K3ForCausalLM, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True) -> K3ForCausalLM:
+               reshard_after_forward: bool = True, ignored_params: set | None = None) -> K3ForCausalLM:
     """Shard `model` in place over the 1-D `mesh` (FSDP2): one group per decoder layer, then the root. Returns it.
 
     param_dtype: None = compute in the parameters' own dtype (fp32 on the CPU: bit-comparable with one process);
     torch.bfloat16 = bf16 compute with fp32 masters and fp32 gradient reduction (see the module docstring).
     reshard_after_forward: free each layer's gathered parameters after its forward (ZeRO-3) or keep them until
-    backward (ZeRO-2, less communication, more memory)."""
+    backward (ZeRO-2, less communication, more memory).
+    ignored_params: parameters FSDP leaves alone (the expert-parallel experts, already split by expert)."""
     # NOTE: FSDP2 warns that a decoder layer returns a view (the AttnRes bank carries the embedding output on): an
     # in-place op on it would skip the pre-backward all-gather. The model never changes its outputs in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -61,7 +63,38 @@ def apply_fsdp(model: K3ForCausalLM, mesh: DeviceMesh, *, param_dtype: torch.dty
                 if isinstance(child, nn.Linear):
                     fully_shard(child, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             fully_shard(attn, mesh=mesh, mp_policy=keep_fp32, reshard_after_forward=reshard_after_forward)
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored_params)
     # the root's parameters are needed again right at the end of backward: no point resharding them after forward
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored_params)
     return model
+
+
+@torch.no_grad()
+def clip_grad_norm_sharded_(params, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ for gradients that are DTensors on different meshes (FSDP's on the dp mesh,
+    the expert-parallel experts' on the ("dp_rep", "ep") mesh): each gradient's squared norm is summed over the mesh
+    dimensions it is sharded on (one all-reduce per kind of layout), never over those it is replicated on.
+    Returns the total norm before clipping."""
+    buckets: dict = {}
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        local, key = g, None
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            key = (id(g.device_mesh), tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()))
+            buckets.setdefault(key, [g.device_mesh, []])
+        else:
+            buckets.setdefault(key, [None, []])
+        buckets[key][1].append(torch.linalg.vector_norm(local.float()) ** 2)
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for key, (mesh, squares) in buckets.items():
+        s = torch.stack(squares).sum()
+        for dim in (key[1] if key is not None else ()):
+            torch.distributed.all_reduce(s, group=mesh.get_group(dim))
+        total_sq = total_sq + s.to(total_sq.device)
+    total = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return float(total)

@@ -37,19 +37,25 @@ class DistEnv:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The mesh description of `openk3 train --dp N`. dp = None means "every rank", the world size."""
+    """The mesh description of `openk3 train --dp N --ep M`. dp = None means "every rank", the world size.
+
+    Expert parallelism borrows its ranks from data parallelism (as torchtitan does): the dp ranks form dp / ep
+    groups of ep consecutive ranks; each group splits the routed experts, and the groups replicate one another."""
 
     dp: int | None = None
+    ep: int = 1
 
     def resolve(self, world: int) -> ParallelDims:
-        """These dims with dp filled in; a ValueError naming the flag when they do not multiply to `world`."""
+        """These dims with dp filled in; a ValueError naming the flag when they do not fit `world`."""
         dp = world if self.dp is None else self.dp
         if dp < 1:
             raise ValueError(f"--dp={dp}: must be a positive integer")
         if dp != world:
-            raise ValueError(f"--dp={dp} must equal the number of processes ({world}): data parallelism is the only "
-                             f"mesh dimension the trainer applies (docs/parallel.md)")
-        return ParallelDims(dp=dp)
+            raise ValueError(f"--dp={dp} must equal the number of processes ({world}): data parallelism (with "
+                             f"expert parallelism inside it) is the only mesh the trainer applies (docs/parallel.md)")
+        if self.ep < 1 or dp % self.ep:
+            raise ValueError(f"--ep={self.ep} must be a positive divisor of the {dp} data-parallel ranks")
+        return ParallelDims(dp=dp, ep=self.ep)
 
 
 def under_torchrun() -> bool:
@@ -78,6 +84,12 @@ def build_mesh(dims: ParallelDims, env: DistEnv) -> DeviceMesh:
     """The 1-D data-parallel mesh ("dp") over every rank."""
     dims = dims.resolve(env.world)
     return init_device_mesh(env.device.type, (dims.dp,), mesh_dim_names=("dp",))
+
+
+def build_ep_mesh(dims: ParallelDims, env: DistEnv) -> DeviceMesh:
+    """The 2-D mesh ("dp_rep", "ep") of shape (dp / ep, ep) over the same ranks: "ep" groups consecutive ranks."""
+    dims = dims.resolve(env.world)
+    return init_device_mesh(env.device.type, (dims.dp // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
 
 
 def rows_of_rank(batch_size: int, rank: int, world: int) -> range:

@@ -52,8 +52,10 @@ from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
 from openk3.parallel.dcp import dcp_to_release_into, load_sharded, save_sharded
-from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
-from openk3.parallel.mesh import DistEnv, ParallelDims, build_mesh, init_distributed, rows_of_rank, under_torchrun
+from openk3.parallel.expert import apply_expert_parallel, finish_expert_gradients_
+from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_sharded_
+from openk3.parallel.mesh import (DistEnv, ParallelDims, build_ep_mesh, build_mesh, init_distributed, rows_of_rank,
+                                  under_torchrun)
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
@@ -120,6 +122,7 @@ class TrainArgs:
     progress: bool = True  # tqdm progress bar
     # Data-parallel ranks (FSDP2) when run under torchrun / --nproc; None = every process. docs/parallel.md
     dp: int | None = None
+    ep: int = 1  # expert-parallel ranks inside the data-parallel ones (MoonEP, parallel/expert.py)
     activation_checkpointing: bool = False  # recompute token mixers and dense MLPs in backward (parallel/fsdp.py)
 
 
@@ -128,7 +131,7 @@ FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "init_from", "ba
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
-PER_INVOCATION = ("stop_at", "threads", "progress", "dp")
+PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep")
 BALANCE_MODES = ("quantile", "sign", "none")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
@@ -747,13 +750,14 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     dist_env = init_distributed(args.device)  # None unless launched by torchrun (or `--nproc`)
     main = dist_env is None or dist_env.is_main
     if dist_env is not None:
-        ParallelDims(dp=args.dp).resolve(dist_env.world)
+        ParallelDims(dp=args.dp, ep=args.ep).resolve(dist_env.world)
         device = dist_env.device
         if not main:  # NOTE: a torchrun worker: rank 0 alone prints and shows progress
             sys.stdout = open(os.devnull, "w")
             args = dataclasses.replace(args, progress=False)
-    elif args.dp not in (None, 1):
-        raise ValueError(f"--dp={args.dp} needs {args.dp} processes: add --nproc {args.dp} or run under torchrun")
+    elif args.dp not in (None, 1) or args.ep != 1:
+        n = args.dp if args.dp not in (None, 1) else args.ep
+        raise ValueError(f"--dp={args.dp} --ep={args.ep} needs {n} processes: add --nproc {n} or run under torchrun")
     run_dir = Path(args.out or default_out(args.config))
     args = dataclasses.replace(args, out=str(run_dir))
     latest = run_dir / CHECKPOINTS / LATEST
@@ -800,8 +804,13 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     model.to(device)
     if args.activation_checkpointing:  # before FSDP: torchtitan's order (parallel/__init__.py)
         apply_activation_checkpointing(model)
-    if dist_env is not None:  # FSDP2 over the data-parallel ranks (parallel/fsdp.py); the optimizer sees the shards
-        apply_fsdp(model, build_mesh(ParallelDims(dp=args.dp), dist_env))
+    expert_params, ep_mesh = [], None
+    if dist_env is not None:  # EP, then FSDP2 over the data-parallel ranks (parallel/); the optimizer sees the shards
+        dims = ParallelDims(dp=args.dp, ep=args.ep)
+        if args.ep > 1:
+            ep_mesh = build_ep_mesh(dims, dist_env)
+            expert_params = apply_expert_parallel(model, ep_mesh)
+        apply_fsdp(model, build_mesh(dims, dist_env), ignored_params=set(expert_params))
     lac = config.linear_attn_config
     opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                           head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
@@ -838,6 +847,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.config}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers; "
           f"QAT {'on' if qat else 'off'}; balance {args.balance}; device {device} {args.dtype}")
+    if dist_env is not None:
+        print(f"  data parallel (FSDP2) over {world} ranks" + (f", experts split over groups of {args.ep} (MoonEP)"
+                                                              if expert_params else ""))
     kda_backend = select_kda_backend(device)
     print(f"  {kda_backend}")
     if kda_backend.name == "fla":
@@ -881,9 +893,13 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                 attnres = out.attnres
             tokens_seen += batch.input_ids.numel() * world
             interval_tokens += batch.input_ids.numel() * world
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+        if expert_params:  # gradients on two meshes: FSDP's and the experts'
+            finish_expert_gradients_(expert_params, ep_mesh, world)
+            grad_norm = clip_grad_norm_sharded_(list(model.parameters()), max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         opt.step()
         opt.zero_grad()
         if max_logits is not None:
@@ -1030,6 +1046,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
                    help="recompute the token mixers and dense MLPs in backward (less activation memory)")
     p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; must equal the number of processes "
                                           "[all of them]")
+    p.add_argument("--ep", type=int, help="expert-parallel ranks (MoonEP) inside the data-parallel ones; must divide "
+                                          "--dp and the number of experts [1]")
     p.set_defaults(fn=cmd_train, parser=p)
 
     p = sub.add_parser("eval")

@@ -107,6 +107,18 @@ def test_two_ranks_equal_one_process(workdir, single, capsys):
 
 
 @pytest.mark.slow
+def test_expert_parallel_training_equals_one_process(workdir, single, capfd):
+    """`--nproc 2 --ep 2`: each rank holds half of every layer's experts (MoonEP dispatch), the rest is FSDP2; the
+    same losses, gradient norms (summed over both meshes) and final weights (the experts read back whole from the
+    DCP files) as one process."""
+    s = settings(workdir, "ep2")
+    cli.main(argv(s) + ["--nproc", "2", "--ep", "2"])
+    assert "experts split over groups of 2 (MoonEP)" in capfd.readouterr().out
+    run = Path(s["out"])
+    assert_same_run(metrics(run), dcp_weights(run / "checkpoints/step_000004"), single)
+
+
+@pytest.mark.slow
 def test_dcp_checkpoint_of_four_ranks_resumes_on_two(workdir, single):
     """Stop a 4-rank run after step 2 (DCP checkpoint with the optimizer state), resume it on 2 ranks: the resumed
     steps 3, 4 match the uninterrupted one-process run, so weights, Muon momentum, AdamW moments, router biases and
@@ -123,7 +135,7 @@ def test_dcp_checkpoint_of_four_ranks_resumes_on_two(workdir, single):
 def test_dp_flag_errors_name_the_value(workdir, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--dp", "2"])
-    assert "--dp=2 needs 2 processes" in capsys.readouterr().err
+    assert "--dp=2 --ep=1 needs 2 processes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--nproc", "0"])
     assert "--nproc=0" in capsys.readouterr().err
