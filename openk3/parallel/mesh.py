@@ -4,9 +4,10 @@
     dims = ParallelDims(dp=2)
     dist_env = init_distributed("cpu")                           # gloo on CPU, NCCL on CUDA; None without torchrun
     mesh = build_mesh(dims, dist_env)                            # a 1-D mesh named "dp"
+    ep_mesh = build_ep_mesh(ParallelDims(dp=4, ep=2), dist_env)  # ("dp_rep", "ep") = (2, 2), for --ep 2
 
-Only data parallelism (FSDP2) is wired into the trainer; `dp` must therefore equal the world size. Expert and
-context parallelism live in expert.py / context.py as standalone layers with their own process groups.
+The trainer applies data parallelism (FSDP2) over every rank (`dp` must equal the world size) and, with `--ep`,
+expert parallelism inside it. Context parallelism (context.py) is a standalone layer with its own process group.
 """
 
 from __future__ import annotations
