@@ -51,7 +51,7 @@ from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST
                                      find_checkpoint, load_for_inference, load_pretrained, save_pretrained)
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
-from openk3.parallel.dcp import dcp_to_release_into, load_sharded, save_sharded
+from openk3.parallel.dcp import dcp_to_release_into, load_release_sharded, load_sharded, save_sharded
 from openk3.parallel.expert import apply_expert_parallel, finish_expert_gradients_
 from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_sharded_
 from openk3.parallel.mesh import (DistEnv, ParallelDims, build_ep_mesh, build_mesh, init_distributed, rows_of_rank,
@@ -795,13 +795,18 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
 
     torch.manual_seed(args.seed)
     qat = config.mxfp4_experts if args.qat is None else args.qat
-    if init_dir is not None:  # parameters stay fp32 in training (--dtype bf16 is autocast)
+    sharded_init = init_dir is not None and dist_env is not None
+    if sharded_init:  # built on the meta device; each rank fills only its shards once they exist (below)
+        with torch.device("meta"):
+            model = K3ForCausalLM(config, qat=qat)
+    elif init_dir is not None:  # parameters stay fp32 in training (--dtype bf16 is autocast)
         model = load_pretrained(init_dir, dtype=torch.float32, qat=qat)
         print(f"initialised from {init_dir}")
     else:
         model = K3ForCausalLM(config, qat=qat)
         model.reset_parameters(seed=args.seed)
-    model.to(device)
+    if not sharded_init:
+        model.to(device)
     if args.activation_checkpointing:  # before FSDP: torchtitan's order (parallel/__init__.py)
         apply_activation_checkpointing(model)
     expert_params, ep_mesh = [], None
@@ -811,6 +816,10 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             ep_mesh = build_ep_mesh(dims, dist_env)
             expert_params = apply_expert_parallel(model, ep_mesh)
         apply_fsdp(model, build_mesh(dims, dist_env), ignored_params=set(expert_params))
+    if sharded_init:
+        model.to_empty(device=device)
+        load_release_sharded(model, init_dir)  # one whole tensor at a time, never the whole model
+        print(f"initialised from {init_dir} (each rank read its own shards)")
     lac = config.linear_attn_config
     opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                           head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,

@@ -107,29 +107,37 @@ def test_two_ranks_equal_one_process(workdir, single, capsys):
 
 
 @pytest.mark.slow
-def test_expert_parallel_training_equals_one_process(workdir, single, capfd):
-    """`--nproc 2 --ep 2`: each rank holds half of every layer's experts (MoonEP dispatch), the rest is FSDP2; the
-    same losses, gradient norms (summed over both meshes) and final weights (the experts read back whole from the
-    DCP files) as one process."""
-    s = settings(workdir, "ep2")
-    cli.main(argv(s) + ["--nproc", "2", "--ep", "2"])
-    assert "experts split over groups of 2 (MoonEP)" in capfd.readouterr().out
-    run = Path(s["out"])
-    assert_same_run(metrics(run), dcp_weights(run / "checkpoints/step_000004"), single)
-
-
-@pytest.mark.slow
-def test_dcp_checkpoint_of_four_ranks_resumes_on_two(workdir, single):
-    """Stop a 4-rank run after step 2 (DCP checkpoint with the optimizer state), resume it on 2 ranks: the resumed
-    steps 3, 4 match the uninterrupted one-process run, so weights, Muon momentum, AdamW moments, router biases and
-    every data row's position came back through the reshard."""
+def test_dcp_checkpoint_of_four_ranks_resumes_on_two_with_expert_parallelism(workdir, single, capfd):
+    """Stop a 4-rank FSDP2 run after step 2 (DCP checkpoint with the optimizer state), resume it on 2 ranks with
+    `--ep 2` (each rank now holds half of every layer's experts, MoonEP dispatch): the resumed steps 3, 4 match the
+    uninterrupted one-process run, so weights, Muon momentum, AdamW moments, router biases and every data row's
+    position came back through the reshard into the other layout."""
     s = settings(workdir, "dp4to2")
     cli.main(argv(s) + ["--nproc", "4", "--stop-at", "2"])
     run = Path(s["out"])
     assert sorted(p.name for p in (run / "checkpoints/step_000002/dcp").glob("*.distcp")) == \
         [f"__{r}_0.distcp" for r in range(4)]
-    cli.main(["train", "--out", str(run), "--resume", "--no-progress", "--nproc", "2"])
+    capfd.readouterr()
+    cli.main(["train", "--out", str(run), "--resume", "--no-progress", "--nproc", "2", "--ep", "2"])
+    assert "experts split over groups of 2 (MoonEP)" in capfd.readouterr().out
     assert_same_run(metrics(run), dcp_weights(run / "checkpoints/step_000004"), single)
+
+
+@pytest.mark.slow
+def test_init_from_on_two_ranks_reads_only_the_shards(workdir, single, capfd):
+    """`--init-from` a checkpoint under `--nproc 2 --ep 2`: every rank fills its FSDP2 and expert shards from the
+    safetensors files (nothing is loaded whole); the first step's loss and gradient norm equal the one-process
+    `--init-from` run's (the same weights, router biases included)."""
+    init = workdir / "single/checkpoints/step_000004"
+    same = {"steps": 1, "config": str(init / "config.json")}  # the checkpoint's config (vocabulary of its tokenizer)
+    ref = train(TrainArgs(**{**settings(workdir, "init1"), **same, "init_from": str(init)}))
+    s = {**settings(workdir, "init2"), **same}
+    capfd.readouterr()
+    cli.main(argv(s) + ["--init-from", str(init), "--nproc", "2", "--ep", "2"])
+    assert "each rank read its own shards" in capfd.readouterr().out
+    got = metrics(Path(s["out"]))
+    assert got["loss"] == pytest.approx(ref.losses, rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(metrics(workdir / "init1")["grad_norm"], rel=2e-5)
 
 
 def test_dp_flag_errors_name_the_value(workdir, capsys):
