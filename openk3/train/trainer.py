@@ -124,6 +124,9 @@ class TrainArgs:
     dp: int | None = None
     ep: int = 1  # expert-parallel ranks inside the data-parallel ones (MoonEP, parallel/expert.py)
     activation_checkpointing: bool = False  # recompute token mixers and dense MLPs in backward (parallel/fsdp.py)
+    # FSDP2 mixed precision: parameters gathered in bf16 for compute, fp32 masters and gradient reduction, the
+    # release's fp32 tensors kept fp32 (parallel/fsdp.py); instead of --dtype bf16's autocast
+    fsdp_bf16: bool = False
 
 
 # Settings that define the math of a run: `--resume` refuses to change them.
@@ -175,6 +178,8 @@ def check_args(a: TrainArgs) -> None:
         raise ValueError("--device=cuda: torch sees no CUDA device here")
     if a.dtype not in ("fp32", "bf16"):
         raise ValueError(f"--dtype={a.dtype!r}: expected fp32 or bf16")
+    if a.fsdp_bf16 and a.dtype == "bf16":
+        raise ValueError("--fsdp-bf16 and --dtype bf16 are two ways to compute in bf16; choose one")
     if a.dtype == "bf16" and a.device != "cuda":
         raise ValueError("--dtype=bf16 runs under CUDA autocast; it needs --device cuda")
     if a.stop_at is not None and not 1 <= a.stop_at <= a.steps:
@@ -755,6 +760,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         if not main:  # NOTE: a torchrun worker: rank 0 alone prints and shows progress
             sys.stdout = open(os.devnull, "w")
             args = dataclasses.replace(args, progress=False)
+    elif args.fsdp_bf16:
+        raise ValueError("--fsdp-bf16 is FSDP2's mixed precision: it needs torchrun or --nproc N (N >= 2)")
     elif args.dp not in (None, 1) or args.ep != 1:
         n = args.dp if args.dp not in (None, 1) else args.ep
         raise ValueError(f"--dp={args.dp} --ep={args.ep} needs {n} processes: add --nproc {n} or run under torchrun")
@@ -815,7 +822,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         if args.ep > 1:
             ep_mesh = build_ep_mesh(dims, dist_env)
             expert_params = apply_expert_parallel(model, ep_mesh)
-        apply_fsdp(model, build_mesh(dims, dist_env), ignored_params=set(expert_params))
+        apply_fsdp(model, build_mesh(dims, dist_env), ignored_params=set(expert_params),
+                   param_dtype=torch.bfloat16 if args.fsdp_bf16 else None)
     if sharded_init:
         model.to_empty(device=device)
         load_release_sharded(model, init_dir)  # one whole tensor at a time, never the whole model
@@ -1053,6 +1061,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
                                              "(FSDP2; --batch-size stays the global batch) [1: no torchrun]")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="recompute the token mixers and dense MLPs in backward (less activation memory)")
+    p.add_argument("--fsdp-bf16", action="store_true", default=None,
+                   help="data parallel: FSDP2 computes with bf16 copies of the parameters (fp32 masters, fp32 "
+                        "gradient reduction), instead of --dtype bf16's autocast")
     p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; must equal the number of processes "
                                           "[all of them]")
     p.add_argument("--ep", type=int, help="expert-parallel ranks (MoonEP) inside the data-parallel ones; must divide "

@@ -1,6 +1,6 @@
-"""Muon, QK-Clip and Quantile Balancing on 2 gloo ranks equal their one-process versions.
+"""Muon, QK-Clip, Quantile Balancing and the FSDP2 bf16 policy on 2 gloo ranks equal their one-process versions.
 
-One spawn of 2 CPU processes (tests/parallel/dist.py) runs all three on the ranks (starting processes costs seconds
+One spawn of 2 CPU processes (tests/parallel/dist.py) runs all four on the ranks (starting processes costs seconds
 on a busy 2-core machine); rank 0 writes what they computed to a file, and each test compares its part with the
 same computation done here in one process.
 """
@@ -9,17 +9,55 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from openk3.model.model import K3ForCausalLM
+from openk3.parallel.fsdp import apply_fsdp
 from openk3.train import balance
 from openk3.train.optim import Muon, qk_clip_mla_
 from tests.parallel.dist import init_gloo, spawn
+from tests.train.test_train import small_config
+
+
+def _bf16_model_and_batch():
+    torch.manual_seed(3)
+    model = K3ForCausalLM(small_config())
+    model.reset_parameters(seed=3)
+    return model, torch.randint(0, model.config.vocab_size, (2, 24))
+
+
+def _fsdp_bf16() -> dict:
+    model, ids = _bf16_model_and_batch()
+    apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), param_dtype=torch.bfloat16)
+    dtypes = {}
+    attn = model.model.layers[0].self_attn
+    attn.register_forward_pre_hook(lambda m, a: dtypes.update(A_log=m.A_log.dtype, o_norm=m.o_norm.weight.dtype))
+    attn.q_proj.register_forward_pre_hook(lambda m, a: dtypes.update(q_proj=m.weight.dtype))
+    loss = model(ids, labels=ids.roll(-1, 1)).loss
+    loss.backward()
+    return {"loss": loss.detach(), "dtypes": {k: str(v) for k, v in dtypes.items()},
+            "grad_dtype": str(attn.q_proj.weight.grad.dtype), "master_dtype": str(attn.q_proj.weight.dtype)}
+
+
+def test_fsdp_bf16_policy_computes_like_a_bf16_model_with_fp32_islands(sharded_results):
+    """apply_fsdp(param_dtype=bf16): linear weights are gathered in bf16 while A_log and o_norm (the release's fp32
+    tensors) stay fp32, masters and gradients fp32; the loss is bit-equal to a model cast to bf16 by
+    `K3ForCausalLM.cast` (which keeps the same fp32 islands), and not the fp32 loss."""
+    got = sharded_results["bf16"]
+    assert got["dtypes"] == {"A_log": "torch.float32", "o_norm": "torch.float32", "q_proj": "torch.bfloat16"}
+    assert got["grad_dtype"] == got["master_dtype"] == "torch.float32"
+    model, ids = _bf16_model_and_batch()
+    fp32 = model(ids, labels=ids.roll(-1, 1)).loss.detach()
+    bf16 = model.cast(torch.bfloat16)(ids, labels=ids.roll(-1, 1)).loss.detach()
+    assert torch.equal(got["loss"], bf16) and not torch.equal(got["loss"], fp32)
+
 
 def _worker(rank: int, world: int, out) -> None:
     init_gloo()
     results = {"muon": _sharded_muon(), "qk_clip": _sharded_qk_clip(),
-               "histogram": _all_reduced_histograms(rank, world)}
+               "histogram": _all_reduced_histograms(rank, world), "bf16": _fsdp_bf16()}
     if rank == 0:
         torch.save(results, out)
 
