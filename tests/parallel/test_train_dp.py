@@ -147,3 +147,9 @@ def test_dp_flag_errors_name_the_value(workdir, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--nproc", "0"])
     assert "--nproc=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(argv(settings(workdir, "bad")) + ["--fsdp-bf16"])
+    assert "--fsdp-bf16 is FSDP2's mixed precision: it needs torchrun" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(argv(settings(workdir, "bad")) + ["--ep", "2"])
+    assert "--ep=2 needs 2 processes" in capsys.readouterr().err
