@@ -8,6 +8,7 @@ processes share nothing with the test process.
 
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,18 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
             dist.destroy_process_group()
 
 
-def spawn(world: int, fn, *args) -> None:
+def spawn(world: int, fn, *args, timeout_s: float = 300) -> None:
     """fn(rank, world, *args) in `world` fresh processes with env:// set for torch.distributed (not initialised:
-    the code under test joins the group itself, or `init_gloo` does). Raises if any process fails."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
+    the code under test joins the group itself, or `init_gloo` does). Raises if any process fails, and kills them
+    all after `timeout_s` (a collective that one rank never joins would otherwise hang the test run)."""
+    context = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn",
+                                 join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{fn.__name__} on {world} processes did not finish within {timeout_s} s")
 
 
 def init_gloo() -> None:
