@@ -31,9 +31,11 @@ masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and tor
 Sharded parameters (FSDP2 DTensors, openk3/parallel/fsdp.py): Newton-Schulz needs each whole matrix
 (or whole head block / expert slice), so `Muon.step` all-gathers the update of a sharded parameter
 (`full_tensor`), orthogonalises it, and keeps only this rank's shard of the result (a local slice, no
-communication). Momentum stays sharded. Every rank orthogonalises every matrix [simple, redundant
-compute: world x the FLOPs of one process; spreading matrices over ranks is left out]. AdamW and
-QK-Clip act elementwise (per row), so they work on the shards directly.
+communication). Momentum stays sharded. Every rank orthogonalises every such matrix [simple, redundant
+compute: world x the FLOPs of one process; spreading matrices over ranks is left out]. Expert stacks
+split by expert (FSDP2 rows of [E, F, D], or expert parallelism) are the exception: each shard holds
+whole experts, so each rank orthogonalises its own, with no gather. AdamW and QK-Clip act elementwise
+(per row), so they work on the shards directly.
 """
 
 import math
@@ -151,19 +153,34 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum)
-                full = update.full_tensor() if isinstance(update, DTensor) else update  # gathers a sharded one
-                o_BRC = orthogonalize(matrix_blocks(full, group["head_dim"]))
-                o = o_BRC.reshape(full.shape)
-                if isinstance(update, DTensor):
-                    o = like_placements(o, update)
+                if isinstance(update, DTensor) and _whole_matrices_per_shard(update, group["head_dim"]):
+                    local = update.to_local()  # an expert stack split by expert: each rank's experts are whole
+                    o_BRC = orthogonalize(local) if local.shape[0] else local
+                    o = DTensor.from_local(o_BRC, update.device_mesh, update.placements, run_check=False,
+                                           shape=update.shape, stride=update.stride())  # shards may be uneven
+                    rows_cols = update.shape[-2:]
+                else:
+                    full = update.full_tensor() if isinstance(update, DTensor) else update  # gathers a sharded one
+                    o_BRC = orthogonalize(matrix_blocks(full, group["head_dim"]))
+                    o = o_BRC.reshape(full.shape)
+                    if isinstance(update, DTensor):
+                        o = like_placements(o, update)
+                    rows_cols = o_BRC.shape[-2:]
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(o, alpha=-lr * rms_match_scale(*o_BRC.shape[-2:]))
+                p.add_(o, alpha=-lr * rms_match_scale(*rows_cols))
         return loss
 
 
 # --------------------------------------------------------------------------------------------
 # Parameter groups and the combined optimiser
 # --------------------------------------------------------------------------------------------
+
+def _whole_matrices_per_shard(x: DTensor, head_dim: int | None) -> bool:
+    """Whether every shard of x holds whole Muon matrices: a 3-D expert stack [E, F, D] split only along E (FSDP2
+    rows or expert parallelism). Then each rank orthogonalises its own experts and nothing is gathered."""
+    return x.ndim == 3 and head_dim is None and all(
+        pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in x.placements)
+
 
 def like_placements(full: Tensor, like: DTensor) -> DTensor:
     """The whole tensor `full` (the same on every rank) as a DTensor laid out like `like`: each rank keeps its own

@@ -78,6 +78,7 @@ class Toy(nn.Module):
         super().__init__()
         self.a = nn.Linear(COLS, 5, bias=False)
         self.heads = nn.Linear(COLS, HEADS * HEAD_ROWS, bias=False)  # Per-Head Muon rows
+        self.experts = nn.Parameter(torch.randn(3, 4, COLS))  # 3 experts: 2 on rank 0, 1 on rank 1, no gather
 
 
 def toy_and_grads(seed: int = 0) -> tuple[Toy, dict[str, torch.Tensor]]:
@@ -88,7 +89,7 @@ def toy_and_grads(seed: int = 0) -> tuple[Toy, dict[str, torch.Tensor]]:
 
 
 def muon_steps(model: Toy, grads: dict, steps: int = 3) -> None:
-    opt = Muon([{"params": [model.a.weight], "head_dim": None},
+    opt = Muon([{"params": [model.a.weight, model.experts], "head_dim": None},
                 {"params": [model.heads.weight], "head_dim": HEAD_ROWS}], lr=0.05, weight_decay=0.1)
     for step in range(steps):
         for n, p in model.named_parameters():
@@ -108,7 +109,8 @@ def _sharded_muon() -> dict:
 
 def test_muon_on_sharded_parameters_equals_unsharded(sharded_results):
     """Muon's update of FSDP2-sharded matrices (whole matrix and Per-Head blocks, uneven shards) is the one-process
-    update exactly: the gathered update is orthogonalised whole and each rank keeps its rows."""
+    update exactly: the gathered update is orthogonalised whole and each rank keeps its rows. An expert stack's
+    shards hold whole experts and are orthogonalised where they are: also exact."""
     model, grads = toy_and_grads()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     muon_steps(model, grads)
