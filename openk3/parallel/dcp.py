@@ -24,6 +24,7 @@ openk3/model/checkpoint.py):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import uuid
@@ -63,7 +64,8 @@ def save_sharded(model: nn.Module, optimizers, path: str | Path) -> None:
     state = {MODEL_KEY: get_model_state_dict(model)}
     if optimizers is not None:
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizers)
-    dcp.save(state, checkpoint_id=str(path))
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
 def load_sharded(model: nn.Module, optimizers, path: str | Path) -> None:
@@ -81,7 +83,8 @@ def load_sharded(model: nn.Module, optimizers, path: str | Path) -> None:
         never_stepped = [f for f in per_param if not any(f"{OPTIM_KEY}.state.{f}.{k}" in saved for k in per_param[f])]
         for fqn in never_stepped:
             del per_param[fqn]
-    dcp.load(state, checkpoint_id=str(path))
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state[MODEL_KEY])
     if optimizers is not None:
         set_optimizer_state_dict(model, optimizers, state[OPTIM_KEY],
@@ -120,8 +123,7 @@ def dcp_model_metas(path: Path, config: K3Config) -> dict[str, tuple[tuple[int, 
 def read_dcp_tensor(path: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """One whole model tensor from a DCP checkpoint, in this process only (no collectives)."""
     t = torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # DCP says it "assumes" a single process: that is what no_dist asks for
-        warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+    with _quiet_single_process():
         dcp.load({MODEL_KEY: {name: t}}, checkpoint_id=str(path), no_dist=True)
     return t
 
@@ -241,6 +243,14 @@ def _embed_name(config: K3Config) -> str:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it "assumes" a single process whenever no process group runs: that is what no_dist asks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+        yield
 
 
 def _fresh_dir_beside(target: Path) -> Path:
