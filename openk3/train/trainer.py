@@ -1084,15 +1084,20 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> None:
-    if ns.nproc is not None and ns.nproc > 1 and not under_torchrun():
-        from openk3.parallel.launch import argv_from_namespace, run_torchrun
-
-        run_torchrun(ns.nproc, "train", argv_from_namespace(ns.parser, ns, skip={"nproc"}))
-        return
     if ns.nproc is not None and ns.nproc < 1:
         raise ValueError(f"--nproc={ns.nproc}: must be a positive integer")
     cli = {k: v for k, v in vars(ns).items() if k not in ("fn", "command", "resume", "parser", "nproc")}
-    train(resolve_train_args(cli, ns.resume), resume=ns.resume)
+    args = resolve_train_args(cli, ns.resume)
+    if ns.nproc is not None and ns.nproc > 1 and not under_torchrun():
+        from openk3.parallel.launch import argv_from_namespace, run_torchrun
+
+        # the settings' errors here, once, before N processes would each report them
+        check_args(args)
+        ParallelDims(dp=args.dp, ep=args.ep).resolve(ns.nproc)
+        rows_of_rank(args.batch_size, 0, ns.nproc)
+        run_torchrun(ns.nproc, "train", argv_from_namespace(ns.parser, ns, skip={"nproc"}))
+        return
+    train(args, resume=ns.resume)
 
 
 def cmd_eval(ns: argparse.Namespace) -> None:
