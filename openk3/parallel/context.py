@@ -40,7 +40,7 @@ from openk3.ops.kda import select_kda_backend
 
 def all_gather(x: Tensor, world: int, group) -> list[Tensor]:
     """Every rank's x (same shape on all), differentiable: the backward sums each rank's gradients home."""
-    out = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group or dist.group.WORLD)
+    out = funcol.all_gather_single_autograd(x.contiguous(), 0, group or dist.group.WORLD)
     return list(funcol.wait_tensor(out).chunk(world))
 
 

@@ -19,9 +19,9 @@ CU = torch.tensor([0, 7, 25, 26, 33, 38, 44])
 LAYERS = ("kda", "mla")
 
 
-def layer_and_inputs(kind: str):
+def layer_and_inputs(kind: str, config=None):
     torch.manual_seed(5)
-    config = small_config()
+    config = config or small_config()
     layer = KimiDeltaAttention(config) if kind == "kda" else GatedMLA(config)
     for p in layer.parameters():  # fresh random values everywhere (the zero / one inits would hide terms)
         p.data = torch.randn_like(p) * (0.5 if p.dim() > 1 else 0.2)

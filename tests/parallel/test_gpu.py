@@ -9,6 +9,7 @@ NOTE: NCCL refuses two ranks on one GPU, so a 2-process run needs 2 GPUs (`--npr
 """
 
 import copy
+import traceback
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from tests.train.test_train import small_config
 pytestmark = pytest.mark.gpu
 
 
-def _train_steps(model, steps: int, ids, param_dtype=None) -> list[float]:
+def _train_steps(model, steps: int, ids) -> list[float]:
     c = model.config
     opt = build_optimizer(model, lr=3e-3, head_dims={"kda": c.linear_attn_config.head_dim,
                                                       "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
@@ -42,11 +43,7 @@ def _train_steps(model, steps: int, ids, param_dtype=None) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, out) -> None:
-    init_nccl()
-    dev = torch.device("cuda", 0)
-    env = DistEnv(rank, world, 0, dev)
-    res = {}
+def _fsdp(env: DistEnv, dev: torch.device) -> dict:
     torch.manual_seed(0)
     config = small_config()
     ids = torch.randint(0, config.vocab_size, (4, 64), device=dev)
@@ -56,33 +53,60 @@ def _worker(rank: int, world: int, out) -> None:
     sharded = copy.deepcopy(plain)
     apply_fsdp(sharded, build_mesh(ParallelDims(), env))
     a, b = _train_steps(plain, 3, ids), _train_steps(sharded, 3, ids)
-    res["fsdp_loss"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     full = {n: p.full_tensor() for n, p in sharded.named_parameters()}
-    res["fsdp_weights"] = max(rel_err(full[n], p) for n, p in plain.named_parameters() if p.abs().max() > 0)
-
+    res = {"fsdp_loss": max(abs(x - y) / abs(x) for x, y in zip(a, b)),
+           "fsdp_weights": max(rel_err(full[n], p) for n, p in plain.named_parameters() if p.abs().max() > 0)}
     bf16 = copy.deepcopy(init)
     apply_fsdp(bf16, build_mesh(ParallelDims(), env), param_dtype=torch.bfloat16)
     seen = {}
-    attn = bf16.model.layers[0].self_attn
-    attn.register_forward_pre_hook(lambda m, a: seen.update(A_log=m.A_log.dtype, q=m.q_proj.weight.dtype))
+    bf16.model.layers[0].self_attn.register_forward_pre_hook(lambda m, args: seen.update(A_log=m.A_log.dtype))
     loss_bf16 = _train_steps(bf16, 1, ids)[0]
-    res["bf16_islands"] = (seen["A_log"] == torch.float32)
+    res["bf16_islands"] = seen["A_log"] == torch.float32
     res["bf16_loss"] = abs(loss_bf16 - a[0]) / abs(a[0])  # the first step: same weights, bf16 compute
+    return res
 
+
+def _ep(dev: torch.device) -> dict:
     from tests.parallel.test_expert import act, case
+
+    res = {}
     for router in ("balanced", "skewed"):
-        x, idx, w, w1, w2, w3, dy = (t.to(dev) for t in case(router))
+        x, idx, w, w1, w2, w3, _ = (t.to(dev) for t in case(router))
         ref = moe_experts_loop(x, idx, w, w1, w2, w3, act)
         for plan in PLANS:
             res[f"ep_{router}_{plan}"] = rel_err(ep_moe_experts(x, idx, w, w1, w2, w3, act, plan=plan), ref)
+    return res
 
+
+def _cp(dev: torch.device) -> dict:
+    # fla's kernels as in training: bf16 inputs and KDA heads of 64 (the fla tests' shape)
+    config = small_config().replace(linear_attn_config={"num_heads": 2, "head_dim": 64, "kda_layers": [1, 2],
+                                                        "full_attn_layers": [3]})
+    res = {}
     for kind in cp_case.LAYERS:
-        layer, x, dy = cp_case.layer_and_inputs(kind)
-        layer, x = layer.to(dev), x.to(dev)
+        layer, x, _ = cp_case.layer_and_inputs(kind, config)
+        layer, x = layer.to(dev, torch.bfloat16), x.to(dev, torch.bfloat16)
         fn = cp_case.kda_context_parallel if kind == "kda" else cp_case.mla_context_parallel
         with torch.no_grad():
             res[f"cp_{kind}"] = rel_err(fn(layer, x, cp_case.CU), cp_case.full_forward(layer, kind, x))
+    return res
+
+
+def _worker(rank: int, world: int, out) -> None:
+    init_nccl()
+    dev = torch.device("cuda", 0)
+    env = DistEnv(rank, world, 0, dev)
+    res = {}
+    for name, part in (("fsdp", lambda: _fsdp(env, dev)), ("ep", lambda: _ep(dev)), ("cp", lambda: _cp(dev))):
+        try:  # each part on its own: one failing part fails its tests only, with its traceback
+            res.update(part())
+        except Exception:
+            res[f"{name}_error"] = traceback.format_exc()
     torch.save(res, out)
+
+
+def _no_error(results: dict, part: str) -> None:
+    assert f"{part}_error" not in results, results.get(f"{part}_error")
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +119,23 @@ def gpu_results(tmp_path_factory) -> dict:
 
 
 def test_fsdp_world_1_equals_unsharded(gpu_results):
+    _no_error(gpu_results, "fsdp")
     # NOTE: not bit-equal on GPU: fla's backward accumulates with atomics, and Muon's bf16 Newton-Schulz amplifies that
     assert gpu_results["fsdp_loss"] < 1e-4 and gpu_results["fsdp_weights"] < 1e-2
 
 
 def test_fsdp_bf16_parameters_keep_the_fp32_islands(gpu_results):
+    _no_error(gpu_results, "fsdp")
     assert gpu_results["bf16_islands"] and gpu_results["bf16_loss"] < 5e-2
 
 
 @pytest.mark.parametrize("key", [f"ep_{r}_{p}" for r in ("balanced", "skewed") for p in PLANS])
 def test_expert_parallel_world_1(gpu_results, key):
+    _no_error(gpu_results, "ep")
     assert gpu_results[key] < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 def test_context_parallel_world_1(gpu_results, kind):
-    assert gpu_results[f"cp_{kind}"] < 1e-3  # fla's kernels (tf32 / bf16 inside) against the same on one row
+    _no_error(gpu_results, "cp")
+    assert gpu_results[f"cp_{kind}"] < 2e-2  # bf16 through fla's kernels, the fold in fp32, against the whole row
