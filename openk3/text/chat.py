@@ -624,21 +624,10 @@ def parse_output(text: str, *, thinking: bool = True, tools_declared: bool = Tru
 
 
 def parse_output_ids(tokenizer, ids: list[int], **options) -> ParsedOutput:
-    """Generated ids -> ParsedOutput. Only the marker ids act as markers: runs of other ids are decoded and fed as
-    text, so plain bytes that spell `<|open|>` stay text."""
-    parser = OutputParser(**options)
-    markers = {tokenizer.token_id(m): m for m in XTML_MARKERS}
-    out, run = ParsedOutput(), []
-    for i in list(ids) + [None]:
-        if i is not None and i not in markers:
-            run.append(i)
-            continue
-        if run:
-            parser._token("text", tokenizer.decode(run))
-            run = []
-        if i is not None:
-            parser._token("marker", markers[i])
-    out += parser._take()
+    """Generated XTML ids -> ParsedOutput, all at once (`IdOutputParser`): only the marker ids act as markers, so
+    plain bytes that spell `<|open|>` stay text."""
+    parser = IdOutputParser(tokenizer, "xtml", **options)
+    out = parser.feed(ids)
     out += parser.finish()
     return out
 
@@ -740,7 +729,7 @@ def grown_text(old: str, new: str, final: bool) -> str:
 
 class IdOutputParser:
     """Generated ids -> ParsedOutput deltas, for either format: `feed(ids)` returns what those ids complete,
-    `finish()` the rest. XTML: only marker ids act as markers (as `parse_output_ids`), and a run of text ids is
+    `finish()` the rest. XTML: only marker ids act as markers, and a run of text ids is
     held until its bytes are whole characters. K2: `K2OutputParser`, its growing parts sent as differences."""
 
     def __init__(self, tokenizer, fmt: str, *, thinking: bool = True, tools_declared: bool = True):
