@@ -60,15 +60,19 @@ class K3ForConditionalGeneration(K3ForCausalLM):
                 grid_thws: Tensor | None = None, image_features: list[Tensor] | None = None,
                 **kwargs) -> CausalLMOutput:
         """K3ForCausalLM.forward with images: `pixel_values` [L, 3, p, p] + `grid_thws` [N, 3] (preprocess.py), or
-        the already computed `image_features` (a server computes each image once and reuses its vectors). Without
-        images, any `<|media_pad|>` in input_ids is an error (it would be embedded as an ordinary token)."""
+        the already computed `image_features` (the engine computes each image once and hands each prefill chunk
+        the vectors of the slots inside it; an empty list for a chunk with none). With neither, this is the text
+        model: NOTE: a `<|media_pad|>` id is then embedded as an ordinary token (a decode step feeding back a
+        generated one), not refused."""
         if pixel_values is not None and image_features is not None:
             raise ValueError("give pixel_values (+ grid_thws) or image_features, not both")
         if (pixel_values is None) != (grid_thws is None):
             raise ValueError("pixel_values and grid_thws come together")
         if pixel_values is not None:
             image_features = self.image_features(pixel_values, grid_thws)
-        embeds = self.embed_with_images(input_ids, image_features or [])
+        if image_features is None:
+            return super().forward(input_ids, labels=labels, **kwargs)
+        embeds = self.embed_with_images(input_ids, image_features)
         return super().forward(input_ids, labels=labels, inputs_embeds=embeds, **kwargs)
 
 

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from openk3.config import K3Config, tiny_vl
+from openk3.model import K3ForCausalLM
 from openk3.model.checkpoint import init_checkpoint, load_pretrained, read_index, save_pretrained
 from openk3.ops.mxfp import fake_quant_mxfp4
 from openk3.text.tokenizer import train_bpe
@@ -95,7 +96,9 @@ def test_slot_count_must_match_the_images():
     with pytest.raises(ValueError, match="3 <\\|media_pad\\|>.*7 vision vectors"):
         model(ids, pixel_values=images(), grid_thws=GRIDS)
     with pytest.raises(ValueError, match="3 <\\|media_pad\\|>.*0 vision vectors"):
-        model(ids)
+        model(ids, image_features=[])
+    with torch.no_grad():  # without images it is the text model, pads embedded as tokens
+        assert torch.equal(model(ids).logits, K3ForCausalLM.forward(model, ids).logits)
     with pytest.raises(ValueError, match="come together"):
         model(ids, pixel_values=images())
 
