@@ -350,8 +350,10 @@ class Engine:
             end = min(n, start + budget)
             if ci is not None and (start // ci + 1) * ci < end:
                 end = (start // ci + 1) * ci  # stop at the checkpoint boundary: the state exists only there
+            slots = self._image_slots(req, start, end)
+            images = {} if slots is None else {"image_features": slots}  # (a text request calls _forward as before)
             logits = self._forward(self.model, self.pool, [req.seq], req.kda, [req.prompt[start:end]],
-                                   logits_to_keep=1, image_features=self._image_slots(req, start, end))
+                                   logits_to_keep=1, **images)
             if not all(self._finite(logits[:, -1], [req], outputs)):  # before its states reach the prefix cache
                 self.prefilling.pop(0)
                 continue
