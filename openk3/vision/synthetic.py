@@ -221,3 +221,11 @@ def attribute_accuracy(model, tokenizer, n_images: int = 200, seed: int = HELD_O
     return {"images": n_images, "accuracy": {k: v / n_images for k, v in right.items()},
             "chance": {"colour": 1 / len(COLOURS), "shape": 1 / len(SHAPES), "both": 1 / (len(COLOURS) * len(SHAPES))},
             "examples": shown}
+
+
+def accuracy_line(ev: dict) -> str:
+    """One line for people from an `attribute_accuracy` result."""
+    acc, chance = ev["accuracy"], ev["chance"]
+    return (f"held-out images: the model's descriptions name the colour {acc['colour']:.1%} (chance "
+            f"{chance['colour']:.0%}), the shape {acc['shape']:.1%} (chance {chance['shape']:.0%}), both "
+            f"{acc['both']:.1%} (chance {chance['both']:.1%}) of {ev['images']} images")
