@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 ACTIVATIONS = ("situ", "silu")
-# Keys of a HF text config that are bookkeeping, not model settings: kept in `extra` without a warning.
 # K3Config fields that a K3-style config.json keeps at its top level, beside text_config.
 TOP_LEVEL_FIELDS = ("vision_config", "media_placeholder_token_id")
+# Keys of a HF text config that are bookkeeping, not model settings: kept in `extra` without a warning.
 HF_BOOKKEEPING = ("model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "auto_map")
 
 @dataclass
@@ -152,7 +152,7 @@ class K3Config:
     # id of `<|media_pad|>`, the slot an image's vision vectors fill. None = a text-only model.
     vision_config: VisionConfig | None = None
     media_placeholder_token_id: int | None = None
-    # Everything else a loaded config.json carried (e.g. the vision_config of the release), kept for the round trip.
+    # Everything else a loaded config.json carried (e.g. the release's ignore_index), kept for the round trip.
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

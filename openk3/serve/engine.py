@@ -316,7 +316,8 @@ class Engine:
 
     # ---- forwards
     def _forward(self, model: K3ForCausalLM, pool: PagePool, seqs: list[PagedSeq], kda: list,
-                 tokens: list[list[int]], logits_to_keep: int = 0, image_features: list[Tensor] | None = None) -> Tensor:
+                 tokens: list[list[int]], logits_to_keep: int = 0,
+                 image_features: list[Tensor] | None = None) -> Tensor:
         """`ModelRunner.forward` of `model`'s runner (target or draft; `pool` is that runner's pool).
         NOTE: every forward of the engine goes through this one method, so a test or a server can wrap it
         (e.g. to make one row's logits NaN) without knowing the runners."""
@@ -367,6 +368,7 @@ class Engine:
             if end < n:
                 continue
             self.prefilling.pop(0)
+            req.images = req.vision = None  # every slot is in the latents and states now: free the pixels and vectors
             if self.draft is not None:  # the draft has no prefix cache: it reads the whole prompt
                 for s in range(0, n, self.cfg.prefill_chunk):
                     self._forward(self.draft, self.draft_pool, [req.draft_seq], req.draft_kda,

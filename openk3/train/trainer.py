@@ -457,7 +457,8 @@ def init_config(args: TrainArgs, init_dir: Path, tokenizer: Tokenizer) -> K3Conf
     fields = {f.name for f in dataclasses.fields(K3Config)} - {"extra"}  # not what a config.json carries besides
 
     def model_fields(c: K3Config) -> dict:
-        return {k: v for k, v in c.to_dict().items() if k in fields}
+        vision = {"vision_config": c.vision_config.to_dict() if c.vision_config is not None else None}
+        return {**{k: v for k, v in c.to_dict().items() if k in fields}, **vision}
 
     diff = first_difference(model_fields(get_config(args.config)), model_fields(config))
     if diff is not None:
