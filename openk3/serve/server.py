@@ -113,7 +113,9 @@ def _unicode_only(value):
     return value
 
 
-_UNION_TAGS = {"str", "int"}  # member tags of the union fields below (see the RequestValidationError handler)
+# member tags of the union fields below (see the RequestValidationError handler); a content part is a TextPart or an
+# ImagePart
+_UNION_TAGS = {"str", "int", "TextPart", "ImagePart"}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
