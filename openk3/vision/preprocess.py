@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from openk3.config import VisionConfig
+from openk3.vision.tower import vision_tokens
 
 PATCH_LIMIT = 65_536  # patches of one image after resizing (K3_SPEC section 9)
 IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)  # [inferred] Kimi K2.5's preprocessor_config
@@ -125,9 +126,7 @@ def image_grid(width: int, height: int, vision: VisionConfig) -> tuple[int, int,
 
 def num_image_tokens(width: int, height: int, vision: VisionConfig) -> int:
     """Vision vectors (<|media_pad|> slots) of an image of this original size: (H'/28) * (W'/28) in the release."""
-    _, h, w = image_grid(width, height, vision)
-    kh, kw = vision.merge_kernel_size
-    return (h // kh) * (w // kw)
+    return vision_tokens(image_grid(width, height, vision), vision)
 
 
 @dataclass(frozen=True)
@@ -160,8 +159,7 @@ def preprocess(image, vision: VisionConfig) -> ImageInput:
     pixels = ((canvas.float() / 255 - mean) / std).permute(2, 0, 1)  # [3, H, W]
     patches = pixels.view(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p).contiguous()
     digest = hashlib.sha256(repr((t, h, w)).encode() + patches.numpy().tobytes()).hexdigest()
-    kh, kw = vision.merge_kernel_size
-    return ImageInput(patches, (t, h, w), width, height, (h // kh) * (w // kw), digest)
+    return ImageInput(patches, (t, h, w), width, height, vision_tokens((t, h, w), vision), digest)
 
 
 def batch_images(images: list[ImageInput]) -> tuple[Tensor, Tensor]:
