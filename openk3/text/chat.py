@@ -132,6 +132,14 @@ def _json_type(value) -> str:
     return "object" if isinstance(value, dict) else "array"
 
 
+def media_prompt(width: int, height: int) -> list[Segment]:
+    """One image's place in a prompt (K3_SPEC section 9), with its ORIGINAL width and height:
+    `<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>`; the one pad is the slot of its
+    vision vectors (openk3.vision.model.expand_media_pads writes one pad per vector)."""
+    return [(MEDIA_BEGIN, True), (f"image {width}x{height}", False), (MEDIA_CONTENT, True), (MEDIA_PAD, True),
+            (MEDIA_END, True)]
+
+
 def _content(content, where: str, images: bool) -> list[Segment]:
     """Message content (str, None or a list of parts) as plain text and media prompts."""
     if content is None:
@@ -151,8 +159,7 @@ def _content(content, where: str, images: bool) -> list[Segment]:
             if not (isinstance(w, int) and isinstance(h, int) and w > 0 and h > 0):
                 raise ValueError(f"{where}: content part {j} is an image without positive integer 'width' and "
                                  f"'height' (its original size, written into the media prompt)")
-            segs += [(MEDIA_BEGIN, True), (f"image {w}x{h}", False), (MEDIA_CONTENT, True), (MEDIA_PAD, True),
-                     (MEDIA_END, True)]
+            segs += media_prompt(w, h)
         else:
             allowed = "'text' or 'image_url'" if images else "'text'"
             raise ValueError(f"{where}: content part {j} must be {{'type': {allowed}, ...}}, got {part!r:.80}")
