@@ -10,6 +10,11 @@ autotuner compiles three instead of up to 36. Keeping one is not enough: on the 
 4 warps / 2 stages of one backward kernel needed 240 KB of shared memory (limit 227 KB); Triton's autotuner
 skips a candidate that does not fit. Kernels that prune their candidates at run time (`early_config_prune`) keep
 them all. Speeds measured this way are lightly tuned fla: a lower bound on fully tuned fla.
+
+A candidate whose launch fails with CUDA "out of memory" is skipped too (`skip_launch_oom`): on the H200, with 17
+processes sharing the GPU, one candidate of `chunk_kda_bwd_kernel_dAv` failed to launch that way while it was being
+timed, and Triton's autotuner, which skips only candidates that fail to compile or do not fit, let the error end the
+run.
 """
 
 from __future__ import annotations
@@ -47,10 +52,25 @@ def fix_fla_configs(modules: tuple[str, ...] = ("fla.ops.kda",)) -> int:
             if not isinstance(obj, Autotuner) or id(obj) in seen:
                 continue
             seen.add(id(obj))
+            obj._bench = skip_launch_oom(obj._bench)
             if len(obj.configs) > 3 and obj.early_config_prune is None:
                 obj.configs = pick(obj.configs)
                 changed += 1
     return changed
+
+
+def skip_launch_oom(bench):
+    """Wrap an autotuner's `_bench` so a candidate that fails to launch with CUDA "out of memory" times as
+    infinitely slow (how Triton treats a candidate that does not fit), instead of ending the run."""
+    def timed(*args, **kwargs):
+        try:
+            return bench(*args, **kwargs)
+        except RuntimeError as e:
+            if "out of memory" not in str(e):
+                raise
+            print(f"fla_fixed: skipped a candidate that failed to launch ({e})", file=sys.stderr, flush=True)
+            return [float("inf")] * 3
+    return timed
 
 
 if __name__ == "__main__":

@@ -333,7 +333,8 @@ def plot(runs: list[dict], path: Path) -> None:
             if panel(r) == key:
                 label = r["model"] + ("" if r.get("variant", "default") == "default" else f" ({r['variant']})")
                 label += f" [{r['backend']}]" if r["model"].startswith("kda") else ""
-                ax.plot([c["step"] for c in r["curve"]], [100 * c["accuracy"] for c in r["curve"]], label=label)
+                ax.plot([c["step"] for c in r["curve"]], [100 * c["accuracy"] for c in r["curve"]], label=label,
+                        marker="o", markersize=2.5)  # a marker, so a run with one evaluation still shows
         task, seq, layout, lr = key
         ax.set_title(f"{task} {layout}, length {seq}, lr {lr:g}", fontsize=9)
         ax.set_xlabel("step")

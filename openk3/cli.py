@@ -50,6 +50,10 @@ def cmd_info(args: argparse.Namespace) -> None:
         "latent_moe": config.latent_moe,
         "mxfp4_experts": config.mxfp4_experts,
     }
+    if config.vision_config is not None:  # the release: MoonViT-V2 ~401M + the projector ~46M (K3_SPEC section 10)
+        from openk3.vision.model import count_vision_params
+
+        info.update(count_vision_params(config.vision_config))
     if args.json:
         print(json.dumps(info))
         return
@@ -57,6 +61,9 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(f"total params     {counts['total_params']:,} ({counts['total_params']:.4e})")
     print(f"active params    {counts['active_params']:,} ({counts['active_params']:.4e}) per token, "
           f"excluding the input embedding")
+    if config.vision_config is not None:
+        print(f"vision tower     {info['vision_params']:,} ({info['vision_params']:.4e}), projector "
+              f"{info['projector_params']:,} ({info['projector_params']:.4e}); not in the counts above")
     print(f"layers           {n}: {kda} KDA + {n - kda} MLA, {info['moe_layers']} MoE")
     print(f"AttnRes block    {config.attn_res_block_size}   LatentMoE {config.latent_moe}   "
           f"MXFP4 experts {config.mxfp4_experts}")
@@ -89,17 +96,27 @@ def cmd_init(args: argparse.Namespace) -> None:
     print(f"wrote a randomly initialised {args.config} checkpoint to {args.out}{with_tok}")
 
 
+class _NamesFormatter(argparse.HelpFormatter):
+    """Help text wrapped at spaces only: a preset name (tiny-vl, kimi-linear-48b) is never cut at its hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def register_commands(sub: argparse._SubParsersAction) -> None:
     """Register `info` and `init` (their one-line help is in `COMMANDS`)."""
     from openk3.config import PRESETS  # stdlib only: the help names the presets there are, not a copied list
 
     config_help = f"preset ({', '.join(PRESETS)}) or config.json path [tiny]"
-    p = sub.add_parser("info")
+    p = sub.add_parser("info", formatter_class=_NamesFormatter)
     p.add_argument("--config", default="tiny", help=config_help)
-    p.add_argument("--json", action="store_true", help="print JSON with total_params and active_params")
+    p.add_argument("--json", action="store_true", help="print JSON with total_params and active_params (of the text "
+                   "model), and vision_params and projector_params for a config with a vision_config")
     p.set_defaults(fn=cmd_info)
 
-    p = sub.add_parser("init")
+    p = sub.add_parser("init", formatter_class=_NamesFormatter)
     p.add_argument("--config", default="tiny", help=config_help)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)

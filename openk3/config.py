@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 ACTIVATIONS = ("situ", "silu")
+# K3Config fields that a K3-style config.json keeps at its top level, beside text_config.
+TOP_LEVEL_FIELDS = ("vision_config", "media_placeholder_token_id")
 # Keys of a HF text config that are bookkeeping, not model settings: kept in `extra` without a warning.
 HF_BOOKKEEPING = ("model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "auto_map")
 
@@ -36,6 +38,65 @@ class LinearAttnConfig:
     # K3 additions; absent = Kimi-Linear (low-rank output gate, unbounded softplus decay).
     use_full_rank_gate: bool = False
     gate_lower_bound: float | None = None
+
+
+# vision_config values that select code (K3_SPEC section 10): only the release's are implemented, so a config that asks
+# for another one fails at construction instead of silently running the release's code.
+VISION_CODE_PATHS = {"norm_type": "rmsnorm", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh",
+                     "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+                     "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu"}
+
+
+@dataclass
+class VisionConfig:
+    """`vision_config` of the release's config.json (K3_SPEC section 10): MoonViT-V2 and its projector, HF names.
+    The defaults are the release's."""
+
+    patch_size: int = 14
+    vt_hidden_size: int = 1024
+    vt_num_hidden_layers: int = 27
+    vt_num_attention_heads: int = 12
+    vt_intermediate_size: int = 4096
+    qkv_hidden_size: int = 1536  # heads x head_dim of q, k and v (12 x 128), wider than vt_hidden_size
+    norm_type: str = "rmsnorm"
+    mlp_type: str = "mlp2"
+    activation_func: str = "gelu_pytorch_tanh"
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4
+    pos_emb_type: str = "divided_fixed"
+    pos_emb_interpolation_mode: str = "bilinear"
+    merge_kernel_size: list[int] = field(default_factory=lambda: [2, 2])
+    merge_type: str = "sd2_tpool"
+    mm_projector_type: str = "patchmergerv2"
+    mm_hidden_size: int = 1024
+    projector_hidden_act: str = "gelu"
+    projector_ln_eps: float = 1e-5
+    text_hidden_size: int = 7168
+
+    def __post_init__(self) -> None:
+        _validate_vision(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of one merged token: the features of a merge_kernel_size window side by side (4 x 1024)."""
+        return self.mm_hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VisionConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"invalid config: vision_config={d!r}: must be an object")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"vision_config has unknown field(s) {unknown}")
+        return cls(**d)
 
 
 @dataclass
@@ -87,12 +148,18 @@ class K3Config:
     bos_token_id: int = 163584
     eos_token_id: int = 163586
     pad_token_id: int = 163839
-    # Everything else a loaded config.json carried (e.g. the vision_config of the release), kept for the round trip.
+    # Multimodal (top level of the release's config.json, not text_config): the vision tower and projector, and the
+    # id of `<|media_pad|>`, the slot an image's vision vectors fill. None = a text-only model.
+    vision_config: VisionConfig | None = None
+    media_placeholder_token_id: int | None = None
+    # Everything else a loaded config.json carried (e.g. the release's ignore_index), kept for the round trip.
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.linear_attn_config, dict):
             self.linear_attn_config = LinearAttnConfig(**self.linear_attn_config)
+        if isinstance(self.vision_config, dict):
+            self.vision_config = VisionConfig.from_dict(self.vision_config)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         _validate(self)
@@ -131,7 +198,8 @@ class K3Config:
 
     # ---- JSON round trip ----
     def to_dict(self) -> dict:
-        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+             if f.name not in ("extra",) + TOP_LEVEL_FIELDS}
         d["linear_attn_config"] = dataclasses.asdict(self.linear_attn_config)
         # Absent fields mean Kimi-Linear behaviour, so K3-only fields are written only when set.
         lac = d["linear_attn_config"]
@@ -152,9 +220,15 @@ class K3Config:
         loaded config was, else the bare Kimi-Linear text config."""
         text = self.to_dict()
         top = self.extra.get("top")
+        if top is None and self.vision_config is not None:  # a multimodal model is always K3-style
+            top = self.release_top()
         if top is None:
             return text
         top = dict(top)
+        if self.media_placeholder_token_id is not None:
+            top["media_placeholder_token_id"] = self.media_placeholder_token_id
+        if self.vision_config is not None:
+            top["vision_config"] = self.vision_config.to_dict()
         # The release keeps the token ids at the top level only; keep them where they came from.
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if k in top:
@@ -162,6 +236,13 @@ class K3Config:
                 if k not in self.extra.get("text_keys", ()):
                     del text[k]
         return {**top, "text_config": text}
+
+    def release_top(self) -> dict:
+        """The top level of the release's config.json (without text_config and the multimodal fields), for a K3-style
+        config that did not come with one (e.g. the `tiny` preset)."""
+        return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+                "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+                "pad_token_id": self.pad_token_id, "tie_word_embeddings": self.tie_word_embeddings}
 
     @classmethod
     def from_dict(cls, d: dict) -> "K3Config":
@@ -172,7 +253,7 @@ class K3Config:
         if "text_config" in d:
             top = {k: v for k, v in d.items() if k != "text_config"}
             d = d["text_config"]
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"} - set(TOP_LEVEL_FIELDS)
         kwargs = {k: v for k, v in d.items() if k in known}
         text_extra = {k: v for k, v in d.items() if k not in known}
         unknown = sorted(k for k in text_extra if k not in HF_BOOKKEEPING)
@@ -193,6 +274,12 @@ class K3Config:
             for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 if k in top and k not in d:
                     kwargs[k] = top[k]
+            # the multimodal fields live on the config; `to_hf_dict` writes them back into the top level
+            for k in TOP_LEVEL_FIELDS:
+                if k in top:
+                    kwargs[k] = top.pop(k)
+            if isinstance(kwargs.get("vision_config"), dict):
+                kwargs["vision_config"] = VisionConfig.from_dict(kwargs["vision_config"])
         return cls(**kwargs, extra={"top": top, "text_extra": text_extra, "text_keys": sorted(d)})
 
     @classmethod
@@ -218,6 +305,8 @@ class K3Config:
     def replace(self, **changes) -> "K3Config":
         """A validated copy with some fields changed (`linear_attn_config` may be given as a dict of changes)."""
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if isinstance(changes.get("vision_config"), dict) and d["vision_config"] is not None:
+            changes["vision_config"] = dataclasses.replace(d["vision_config"], **changes["vision_config"])
         if isinstance(changes.get("linear_attn_config"), dict):
             changes["linear_attn_config"] = dataclasses.replace(d["linear_attn_config"], **changes["linear_attn_config"])
         d.update(changes)
@@ -235,7 +324,7 @@ def _validate(c: K3Config) -> None:
     for obj, prefix in ((c, ""), (lac, "linear_attn_config.")):
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
-            if f.name in ("extra", "linear_attn_config"):
+            if f.name in ("extra", "linear_attn_config", "vision_config"):
                 continue
             v = getattr(obj, f.name)
             why = _type_error(v, hints[f.name])
@@ -321,10 +410,53 @@ def _validate(c: K3Config) -> None:
     q = c.quantization_config
     if q is not None and q.get("format") not in (None, "mxfp4-pack-quantized"):
         raise bad("quantization_config.format", q.get("format"), "only 'mxfp4-pack-quantized' is supported")
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
         v = getattr(c, name)
         if v is not None and not 0 <= v < c.vocab_size:
             raise bad(name, v, f"outside the vocabulary [0, {c.vocab_size})")
+    v = c.vision_config
+    if v is not None:
+        if not isinstance(v, VisionConfig):
+            raise bad("vision_config", v, "must be an object (the release's vision_config)")
+        if v.text_hidden_size != c.hidden_size:
+            raise bad("vision_config.text_hidden_size", v.text_hidden_size,
+                      f"the projector must map into the text width hidden_size={c.hidden_size}")
+        if c.media_placeholder_token_id is None:
+            raise bad("media_placeholder_token_id", None, "a model with a vision_config needs the id of <|media_pad|>")
+
+
+def _validate_vision(v: VisionConfig) -> None:
+    def bad(name: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"invalid config: vision_config.{name}={value!r}: {why}")
+
+    hints = typing.get_type_hints(VisionConfig)
+    for f in dataclasses.fields(v):
+        why = _type_error(getattr(v, f.name), hints[f.name])
+        if why:
+            raise bad(f.name, getattr(v, f.name), why)
+    for name in ("patch_size", "vt_hidden_size", "vt_num_hidden_layers", "vt_num_attention_heads",
+                 "vt_intermediate_size", "qkv_hidden_size", "init_pos_emb_height", "init_pos_emb_width",
+                 "init_pos_emb_time", "mm_hidden_size", "text_hidden_size"):
+        if getattr(v, name) <= 0:
+            raise bad(name, getattr(v, name), "must be a positive integer")
+    for name, value in VISION_CODE_PATHS.items():
+        if getattr(v, name) != value:
+            raise bad(name, getattr(v, name), f"only {value!r} (the release's) is implemented")
+    if v.qkv_hidden_size % v.vt_num_attention_heads:
+        raise bad("qkv_hidden_size", v.qkv_hidden_size,
+                  f"must be a multiple of vt_num_attention_heads={v.vt_num_attention_heads}")
+    if v.head_dim % 2:
+        raise bad("qkv_hidden_size", v.qkv_hidden_size, "the head size (qkv_hidden_size / heads) must be even")
+    if (len(v.merge_kernel_size) != 2 or any(not isinstance(k, int) or isinstance(k, bool) or k < 1
+                                              for k in v.merge_kernel_size)):
+        raise bad("merge_kernel_size", v.merge_kernel_size, "must be two positive integers [height, width]")
+    if v.mm_hidden_size != v.vt_hidden_size:
+        raise bad("mm_hidden_size", v.mm_hidden_size, f"the projector reads the tower's width "
+                                                       f"vt_hidden_size={v.vt_hidden_size}")
+    if v.vt_hidden_size % 2:
+        raise bad("vt_hidden_size", v.vt_hidden_size, "must be even (the fixed sin-cos time embedding)")
+    if v.projector_ln_eps <= 0:
+        raise bad("projector_ln_eps", v.projector_ln_eps, "must be > 0")
 
 
 def _type_error(v: Any, hint: Any) -> str | None:
@@ -425,7 +557,19 @@ def k3_1b() -> K3Config:
     )
 
 
-PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "k3-1b": k3_1b, "tiny": tiny}
+def tiny_vl(vocab_size: int = 2048) -> K3Config:
+    """`tiny` with a MoonViT-V2 at CPU-test size (docs/vision.md): every structural feature of the release tower
+    (patch 14, divided position embedding interpolated from a 16 x 16 grid, qkv wider than the width, 2x2 merge,
+    patchmergerv2) at width 64, 2 layers. <|media_pad|> is the id `openk3 train`'s BPE gives it (25);
+    `config_for_tokenizer` takes whichever id the run's tokenizer has."""
+    return tiny(vocab_size).replace(
+        media_placeholder_token_id=25,
+        vision_config=VisionConfig(vt_hidden_size=64, vt_num_hidden_layers=2, vt_num_attention_heads=2,
+                                   vt_intermediate_size=256, qkv_hidden_size=96, init_pos_emb_height=16,
+                                   init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128))
+
+
+PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "k3-1b": k3_1b, "tiny": tiny, "tiny-vl": tiny_vl}
 
 
 def get_config(name_or_path: str) -> K3Config:

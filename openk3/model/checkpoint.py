@@ -7,12 +7,15 @@ A checkpoint directory holds
 
 Two layouts, picked by `is_k3_layout(config)`:
   - K3-style (the release): tensor names are `language_model.` + the outside name, and config.json is a
-    `KimiK3ForConditionalGeneration` top level with the text model under `text_config`.
+    `KimiK3ForConditionalGeneration` top level with the text model under `text_config`. A config with a
+    `vision_config` (the release) adds the vision tower and projector as `vision_tower.*` and `mm_projector.*`
+    (K3_SPEC section 10: no prefix, not quantised, in the model's dtype, after the text model: the last shards).
   - Kimi-Linear-style (Kimi-Linear-48B-A3B): the outside names without a prefix, and config.json is the bare text
     config (model_type "kimi_linear").
 
 How a model tensor is stored (the `how` of an `Entry`):
     same          as it is, in the model's dtype (bf16 for the release)
+    vision        as `same`, without the `language_model.` prefix (the vision tower and projector)
     fp32          in fp32 whatever the model's dtype (spec: o_norm, the conv weights, dt_bias, the router's bias)
     a_log         fp32; K3-style [max(H, head_dim)] padded with zeros (the release: 96 heads in [128]);
                   Kimi-Linear-style [1, 1, H, 1] (the shape of Kimi-Linear's `A_log` parameter)
@@ -49,6 +52,7 @@ from openk3.config import K3Config
 from openk3.model.model import K3ForCausalLM, count_params, keeps_fp32
 from openk3.ops.mxfp import dequantize_mxfp4, pack_e2m1, quantize_mxfp4, unpack_e2m1
 from openk3.text.tokenizer import Tokenizer
+from openk3.vision.model import build_model
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ NAME_TABLE: list[tuple[str, str, str]] = [
     (r"output_attn_res_(norm|proj)\.weight",      r"model.output_attn_res_\1.weight",       "same"),
     (r"(.*\.self_attn)\.A_log",                   r"\1.A_log",                              "a_log"),
     (r"(.*\.experts)\.(w[123])",                  r"\1.{e}.\2",                             "expert"),
+    (r"((?:vision_tower|mm_projector)\..*)",       r"\1",                                    "vision"),
     (r"(.*)",                                     r"\1",                                    "same"),
 ]
 
@@ -119,14 +124,15 @@ def is_k3_layout(config: K3Config) -> bool:
     addition; Kimi-Linear-style otherwise. The K3 additions are exactly the fields whose absence means
     Kimi-Linear behaviour (config.py leaves them out of config.json when unset), so the choice survives a round trip."""
     lac = config.linear_attn_config
-    return (config.extra.get("top") is not None or config.attn_res or config.latent_moe
+    return (config.extra.get("top") is not None or config.vision_config is not None or config.attn_res
+            or config.latent_moe
             or config.quantization_config is not None or lac.use_full_rank_gate or lac.gate_lower_bound is not None)
 
 
 def name_map(config: K3Config) -> list[Entry]:
     """Every model tensor of `config` with its checkpoint name(s), shape(s) and storage, in model order."""
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = build_model(config)
     return _entries(config, {name: tuple(t.shape) for name, t in model.state_dict().items()})
 
 
@@ -145,7 +151,7 @@ def _entries(config: K3Config, shapes: dict[str, tuple[int, ...]]) -> list[Entry
     entries = []
     for name, shape in shapes.items():
         outside, how = _outside_name(name)
-        outside = (K3_PREFIX if k3 else "") + outside
+        outside = (K3_PREFIX if k3 and how != "vision" else "") + outside
         if how == "expert":
             E, rows, cols = shape
             for e in range(E):
@@ -171,7 +177,7 @@ def _entries(config: K3Config, shapes: dict[str, tuple[int, ...]]) -> list[Entry
 def _to_stored(entry: Entry, value: Tensor) -> tuple[Tensor, ...]:
     """The checkpoint tensor(s) of one entry, on the CPU. `value` is the whole model tensor (stacked for experts)."""
     value = value.detach()
-    if entry.how == "same":
+    if entry.how in ("same", "vision"):
         return (value.cpu().contiguous(),)
     if entry.how == "fp32":
         return (value.float().cpu().contiguous(),)
@@ -274,10 +280,7 @@ def hf_config_dict(config: K3Config, dtype: torch.dtype) -> dict:
     A K3-style config without a top level (e.g. the `tiny` preset) gets the release's: KimiK3ForConditionalGeneration
     with the token ids at the top and the text model under `text_config`."""
     if is_k3_layout(config) and config.extra.get("top") is None:
-        top = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-               "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-               "pad_token_id": config.pad_token_id, "tie_word_embeddings": config.tie_word_embeddings}
-        config = config.replace(extra={**config.extra, "top": top})
+        config = config.replace(extra={**config.extra, "top": config.release_top()})
     d = config.to_hf_dict()
     d["dtype"] = str(dtype).removeprefix("torch.")  # what HF's `dtype="auto"` reads; the release says "bfloat16"
     if "torch_dtype" in d:  # the older name, kept from a loaded config: keep it true as well
@@ -400,7 +403,8 @@ def _check_match(path: Path, entries: list[Entry], infos: dict[str, TensorInfo],
     a_log_heads: the stored name of every A_log -> its number of heads."""
     expected = {s.name: s for e in entries for s in e.stored}
     missing = [n for n in expected if n not in infos]
-    # NOTE: the release also holds the vision tower and projector (outside `language_model.`); openk3 is text-only.
+    # NOTE: the release also holds the vision tower and projector (outside `language_model.`): a text-only config
+    # (prefix `language_model.`) skips them; a config with a vision_config (prefix "") checks every tensor.
     unexpected = [n for n in infos if n not in expected and n.startswith(prefix)]
     bad_shape = [f"{n} {list(infos[n].shape)} (expected "
                  + (f"[L >= {a_log_heads[n]}] or [1, 1, {a_log_heads[n]}, 1])" if n in a_log_heads
@@ -419,12 +423,12 @@ def _check_match(path: Path, entries: list[Entry], infos: dict[str, TensorInfo],
         raise ValueError(f"checkpoint {path} does not match its config.json:\n  " + "\n  ".join(lines))
     skipped = len(infos) - len(expected)
     if skipped:
-        log.info("%s: skipped %d tensors outside %r (not part of the text model)", path, skipped, prefix)
+        log.info("%s: skipped %d tensors outside %r (the config has no vision_config)", path, skipped, prefix)
 
 
 def _load_entry(entry: Entry, stored: list[Tensor], target: Tensor) -> None:
     """Copy one entry's checkpoint tensor(s) into the model tensor `target` (stacked for experts)."""
-    if entry.how in ("same", "fp32"):
+    if entry.how in ("same", "fp32", "vision"):
         target.copy_(stored[0])
     elif entry.how == "a_log":
         (t,) = stored
@@ -443,7 +447,8 @@ def _load_entry(entry: Entry, stored: list[Tensor], target: Tensor) -> None:
 
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None, qat: bool = False) -> K3ForCausalLM:
-    """Build a K3ForCausalLM from a checkpoint directory.
+    """Build a K3ForCausalLM (a K3ForConditionalGeneration when config.json has a vision_config: text and vision
+    from the one index) from a checkpoint directory.
 
     dtype: the dtype of the model's tensors (default: the checkpoint's, read from its embedding); the fp32-stored
     ones (o_norm, conv weights, dt_bias, A_log, router bias) stay fp32, bit-equal to the file's values. The model is built on the meta device, checked
@@ -455,11 +460,12 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     config = _read_config(path)
     infos = read_index(path)
     with torch.device("meta"):
-        model = K3ForCausalLM(config, qat=qat)
+        model = build_model(config, qat=qat)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     entries = _entries(config, shapes)
     a_log_heads = {e.stored[0].name: shapes[e.model_name][0] for e in entries if e.how == "a_log"}
-    _check_match(path, entries, infos, K3_PREFIX if is_k3_layout(config) else "", a_log_heads)
+    prefix = K3_PREFIX if is_k3_layout(config) and config.vision_config is None else ""
+    _check_match(path, entries, infos, prefix, a_log_heads)
     if dtype is None:
         embed = next(e for e in entries if e.model_name == "model.embed_tokens.weight").stored[0].name
         dtype = _FLOAT_DTYPES[infos[embed].dtype]
@@ -496,9 +502,10 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
 
 def config_for_tokenizer(config: K3Config, tokenizer: Tokenizer) -> K3Config:
     """`config` with the vocabulary size and bos/eos/pad ids of `tokenizer` (the model's embedding must hold
-    exactly the tokenizer's ids)."""
+    exactly the tokenizer's ids), and for a multimodal config the tokenizer's `<|media_pad|>` id."""
+    media = {} if config.vision_config is None else {"media_placeholder_token_id": tokenizer.token_id("<|media_pad|>")}
     return config.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
-                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, **media)
 
 
 def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: torch.dtype = torch.float32,
@@ -516,7 +523,7 @@ def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: tor
         raise ValueError(f"init_checkpoint builds the whole model in memory; this config has {n:.4g} parameters, "
                          f"above the limit of {MAX_INIT_PARAMS:.4g}")
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = build_model(config)
     model.cast(dtype)
     model.to_empty(device="cpu")
     model.reset_parameters(seed)

@@ -584,7 +584,7 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0,
                 loss_chunk: int = 0, record: bool = False, record_attnres: bool = False,
-                keep_inputs: bool = False) -> CausalLMOutput:
+                keep_inputs: bool = False, inputs_embeds: Tensor | None = None) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
         must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update.
         logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last).
@@ -593,6 +593,8 @@ class K3ForCausalLM(nn.Module):
         record: the output's `router` holds every MoE layer's router scores and selection (for balancing, metrics).
         record_attnres: the output's `attnres` holds the mean AttnRes mixing weights (when the config has AttnRes).
         keep_inputs: every KDA state of `cache` gets this forward's per-token inputs (`KDAState.inputs`).
+        inputs_embeds: [B, T, D] used instead of embedding input_ids (which still give the shape and are checked):
+        K3ForConditionalGeneration passes the embeddings with its images' vision vectors in the media slots.
         Nothing is left on any module: options come in as arguments, statistics go out in the CausalLMOutput."""
         c = self.config
         if input_ids.dim() != 2:
@@ -619,7 +621,10 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"cache has {len(cache.layers)} layers, model has {c.num_hidden_layers}")
 
         dtype = self.lm_head.weight.dtype
-        prefix = self.model.embed_tokens(input_ids).float()  # fp32 residual stream
+        if inputs_embeds is not None and inputs_embeds.shape != (B, T, c.hidden_size):
+            raise ValueError(f"inputs_embeds shape {tuple(inputs_embeds.shape)} != {(B, T, c.hidden_size)}")
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        prefix = embeds.float()  # fp32 residual stream
         bank: list[Tensor] = []
         for i, layer in enumerate(self.model.layers):
             prefix, bank = layer(prefix, bank, dtype, ctx, cache.layers[i] if cache is not None else None)

@@ -46,6 +46,7 @@ from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
 from openk3.text.chat import (EFFORTS, END, IdOutputParser, chat_format_for, chat_stop_ids, encode_segments,
                               render)
+from openk3.vision.preprocess import batch_images
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -111,6 +112,12 @@ class Request:
     draft_kda: list | None = None
     prefix: PrefixPath | None = None
     generator: torch.Generator | None = None
+    # Images (K3ForConditionalGeneration): preprocessed, in the order of their `<|media_pad|>` slots; their vision
+    # vectors, computed once at the first prefill chunk that needs them; and the prompt as the prefix cache hashes
+    # it, each slot standing for its image's pixel digest (so two images never share a cache entry).
+    images: list | None = None
+    vision: Tensor | None = None
+    cache_tokens: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -165,12 +172,14 @@ class Engine:
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # the decode batch; row b of the runners' batch states is running[b]
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
-                             spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0)
+                             spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0, images_encoded=0)
 
     # ---- the API a server uses
     def submit(self, prompt: list[int], params: SamplingParams | None = None, *, cache_salt: str | None = None,
-               request_id: str | None = None) -> Request:
-        """Queue a request; it starts at a later `step()`. Raises ValueError for a prompt the engine cannot run."""
+               request_id: str | None = None, images: list | None = None) -> Request:
+        """Queue a request; it starts at a later `step()`. Raises ValueError for a prompt the engine cannot run.
+        images: `openk3.vision.preprocess.ImageInput`s for a multimodal model, in prompt order; the prompt holds
+        each image's `<|media_pad|>` once per vision vector (`openk3.vision.model.expand_media_pads`)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         V = self.model.config.vocab_size
@@ -195,6 +204,8 @@ class Engine:
         req = Request(id=request_id if request_id is not None else f"req-{next(self._ids)}", prompt=prompt,
                       params=params, cache_salt=cache_salt, submitted_at=time.perf_counter(),
                       stop=frozenset(t for t in stop if t is not None), generator=generator)
+        if images:
+            req.images, req.cache_tokens = images, image_cache_tokens(self.model.config, prompt, images)
         self._inbox.append(req)
         return req
 
@@ -281,7 +292,7 @@ class Engine:
     def _try_admit(self, req: Request) -> bool:
         pool, n = self.pool, len(req.prompt)
         total = n + req.params.max_tokens + self.lookahead
-        match = self.prefix.lookup(req.prompt, req.cache_salt) if self.prefix is not None else Match([], 0)
+        match = self.prefix.lookup(cache_key(req), req.cache_salt) if self.prefix is not None else Match([], 0)
         need = pool.pages_for(total) - match.length // pool.page_size  # shared pages cost nothing
         draft_need = self.draft_pool.pages_for(total) if self.draft_pool is not None else 0
         if self.prefix is not None:
@@ -305,12 +316,31 @@ class Engine:
 
     # ---- forwards
     def _forward(self, model: K3ForCausalLM, pool: PagePool, seqs: list[PagedSeq], kda: list,
-                 tokens: list[list[int]], logits_to_keep: int = 0) -> Tensor:
+                 tokens: list[list[int]], logits_to_keep: int = 0,
+                 image_features: list[Tensor] | None = None) -> Tensor:
         """`ModelRunner.forward` of `model`'s runner (target or draft; `pool` is that runner's pool).
         NOTE: every forward of the engine goes through this one method, so a test or a server can wrap it
         (e.g. to make one row's logits NaN) without knowing the runners."""
         runner = self.target if model is self.model else self.drafter
-        return runner.forward(seqs, kda, tokens, logits_to_keep)
+        return runner.forward(seqs, kda, tokens, logits_to_keep, image_features)
+
+    def _image_slots(self, req: Request, start: int, end: int) -> list[Tensor] | None:
+        """The vision vectors of the media slots in prompt[start:end] (None for a request without images). The
+        request's images go through the tower once, at the first chunk with a slot (a prefix hit that covers every
+        slot never runs it)."""
+        if req.images is None:
+            return None
+        pad = self.model.config.media_placeholder_token_id
+        a = req.prompt[:start].count(pad)
+        b = a + req.prompt[start:end].count(pad)
+        if a == b:
+            return []
+        if req.vision is None:
+            pixel_values, grid_thws = batch_images(req.images)
+            features = self.model.image_features(pixel_values.to(self.device), grid_thws.to(self.device))
+            req.vision = torch.cat(features)
+            self.counters["images_encoded"] += len(req.images)
+        return [req.vision[a:b]]
 
     def _prefill(self, outputs: list[StepOutput]) -> None:
         budget = self.cfg.prefill_chunk
@@ -321,8 +351,10 @@ class Engine:
             end = min(n, start + budget)
             if ci is not None and (start // ci + 1) * ci < end:
                 end = (start // ci + 1) * ci  # stop at the checkpoint boundary: the state exists only there
+            slots = self._image_slots(req, start, end)
+            images = {} if slots is None else {"image_features": slots}  # (a text request calls _forward as before)
             logits = self._forward(self.model, self.pool, [req.seq], req.kda, [req.prompt[start:end]],
-                                   logits_to_keep=1)
+                                   logits_to_keep=1, **images)
             if not all(self._finite(logits[:, -1], [req], outputs)):  # before its states reach the prefix cache
                 self.prefilling.pop(0)
                 continue
@@ -330,18 +362,19 @@ class Engine:
             self.counters["prefill_tokens"] += end - start
             if self.prefix is not None:
                 if ci is not None and end % ci == 0 and end < n:
-                    self.prefix.checkpoint(req.prefix, req.prompt, req.seq, req.kda, 0, self._make_room)
+                    self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
                 else:
-                    self.prefix.publish_blocks(req.prefix, req.prompt, end, req.seq)
+                    self.prefix.publish_blocks(req.prefix, cache_key(req), end, req.seq)
             if end < n:
                 continue
             self.prefilling.pop(0)
+            req.images = req.vision = None  # every slot is in the latents and states now: free the pixels and vectors
             if self.draft is not None:  # the draft has no prefix cache: it reads the whole prompt
                 for s in range(0, n, self.cfg.prefill_chunk):
                     self._forward(self.draft, self.draft_pool, [req.draft_seq], req.draft_kda,
                                   [req.prompt[s:s + self.cfg.prefill_chunk]], logits_to_keep=1)
             if self.prefix is not None:  # always a checkpoint at the end of a prompt
-                self.prefix.checkpoint(req.prefix, req.prompt, req.seq, req.kda, 0, self._make_room)
+                self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
             token = sample_tokens(logits[:, -1], [req])[0]
             logprob = float(torch.log_softmax(logits[0, -1], -1)[token])
             self._emit(req, [token], [logprob], outputs)
@@ -487,7 +520,7 @@ class Engine:
         """Release a request's pages and pins. A turn that ended normally first publishes its whole conversation
         so far, with a KDA checkpoint at its end (the next turn resumes there)."""
         if self.prefix is not None and req.prefix is not None and reason in ("stop", "length"):
-            tokens = req.prompt + req.output
+            tokens = cache_key(req) + req.output
             self.prefix.checkpoint(req.prefix, tokens, req.seq, states, row, self._make_room)
         if self.prefix is not None and req.prefix is not None:
             self.prefix.release(req.prefix)
@@ -499,6 +532,33 @@ class Engine:
         self.counters["finished"] += 1
         if not emitted:
             outputs.append(StepOutput(req.id, [], [], reason))
+
+
+def cache_key(req: Request) -> list[int]:
+    """The prompt as the prefix cache hashes it: `cache_tokens` for a request with images, else the prompt."""
+    return req.cache_tokens if req.cache_tokens is not None else req.prompt
+
+
+def image_cache_tokens(config, prompt: list[int], images: list) -> list[int]:
+    """`prompt` with each media slot replaced by a negative id drawn from its image's pixel digest (no token id is
+    negative), so prefixes hash equal exactly when their tokens AND their images' pixels are equal. Raises
+    ValueError when the images do not fit the prompt's slots or the model takes no images."""
+    if config.vision_config is None:
+        raise ValueError("this model has no vision tower: it takes no images")
+    pad = config.media_placeholder_token_id
+    want = [im.num_tokens for im in images]
+    if prompt.count(pad) != sum(want):
+        raise ValueError(f"the prompt has {prompt.count(pad)} <|media_pad|> slots; its {len(images)} image(s) need "
+                         f"{want} (one per vision vector)")
+    marks = [-1 - int(im.digest[:15], 16) for im in images for _ in range(im.num_tokens)]
+    out, k = [], 0
+    for t in prompt:
+        if t == pad:
+            out.append(marks[k])
+            k += 1
+        else:
+            out.append(t)
+    return out
 
 
 def early_exit_draft(model: K3ForCausalLM, n_layers: int) -> K3ForCausalLM:

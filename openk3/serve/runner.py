@@ -44,14 +44,17 @@ class ModelRunner:
         return new_kda_states(self.model.config, 1, self.device, self.dtype)
 
     def forward(self, seqs: list[PagedSeq], kda: list[KDAState], tokens: list[list[int]],
-                logits_to_keep: int = 0) -> Tensor:
+                logits_to_keep: int = 0, image_features: list[Tensor] | None = None) -> Tensor:
         """One forward of a ragged batch: row b appends tokens[b] (all rows the same count T) after its cached
         seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V].
-        While speculating, each KDA state's `inputs` holds this forward's per-token inputs (for `rollback`)."""
+        While speculating, each KDA state's `inputs` holds this forward's per-token inputs (for `rollback`).
+        image_features: the vision vectors of the `<|media_pad|>` slots among `tokens` (K3ForConditionalGeneration)."""
         T = len(tokens[0])
         cache = paged_cache(self.pool, kda, seqs, T)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating).logits
+        images = {} if image_features is None else {"image_features": image_features}
+        logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating,
+                            **images).logits
         for s in seqs:
             s.length += T
         return logits.float()

@@ -51,6 +51,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openk3.model.checkpoint import load_for_inference
 from openk3.serve.engine import Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg, set_threads
 from openk3.text import chat
+from openk3.vision.model import expand_media_pads
+from openk3.vision.preprocess import ImageError, decode_data_url, decode_image, preprocess
 
 log = logging.getLogger("openk3.serve.server")
 
@@ -111,7 +113,9 @@ def _unicode_only(value):
     return value
 
 
-_UNION_TAGS = {"str", "int"}  # member tags of the union fields below (see the RequestValidationError handler)
+# member tags of the union fields below (see the RequestValidationError handler); a content part is a TextPart or an
+# ImagePart
+_UNION_TAGS = {"str", "int", "TextPart", "ImagePart"}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -133,6 +137,16 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str  # a data URL (data:image/png;base64,...); remote URLs are refused (the server fetches nothing)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted for compatibility; every image gets the spec's size
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str
@@ -147,7 +161,7 @@ class ToolCall(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -305,7 +319,7 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams,
-               cache_salt: str | None) -> tuple[Request, asyncio.Queue]:
+               cache_salt: str | None, images: list | None = None) -> tuple[Request, asyncio.Queue]:
         """Queue a request (ValueError if the engine refuses it); its outputs arrive on the returned queue, the last
         one with a finish_reason. Call from the event loop that will read the queue."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -314,7 +328,8 @@ class EngineLoop:
             # cleared) every sink, and this request would wait for outputs that never come
             if self.error is not None:
                 raise APIError(503, f"the engine stopped after an error: {self.error!r}", type="server_error")
-            req = self.engine.submit(prompt, params, cache_salt=cache_salt, request_id=f"req-{uuid.uuid4().hex}")
+            req = self.engine.submit(prompt, params, cache_salt=cache_salt, request_id=f"req-{uuid.uuid4().hex}",
+                                     images=images)
             self._sinks[req.id] = (asyncio.get_running_loop(), queue)
         self._wake.set()
         return req, queue
@@ -655,8 +670,11 @@ class Generation:
     """What the two generation routes share: the served model's name, tokenizer and context, the metrics; checks a
     request against them and submits it to the engine loop."""
 
-    def __init__(self, tokenizer, model_name: str, max_context: int, metrics: Metrics):
+    def __init__(self, tokenizer, model_name: str, max_context: int, metrics: Metrics, model_config=None):
         self.tokenizer, self.model_name, self.max_context, self.metrics = tokenizer, model_name, max_context, metrics
+        # the served model's vision_config and <|media_pad|> id; None for a text-only model (images are refused)
+        self.vision = model_config.vision_config if model_config is not None else None
+        self.media_pad = model_config.media_placeholder_token_id if model_config is not None else None
         self.end_of_text = (tokenizer.eos_id,)
         self.chat_format = chat.chat_format_for(tokenizer)  # once per model: "xtml" or "k2"
         self.chat_stops = chat.chat_stop_ids(tokenizer)
@@ -682,16 +700,46 @@ class Generation:
 
     @staticmethod
     def submit(request: HTTPRequest, prompt: list[int], params: SamplingParams, salt: str | None,
-               param: str) -> tuple[Request, asyncio.Queue]:
+               param: str, images: list | None = None) -> tuple[Request, asyncio.Queue]:
         try:  # NOTE: the engine validates what only it knows (vocabulary, page pool); its ValueError is the client's
-            return request.app.state.loop.submit(prompt, params, salt)
+            return request.app.state.loop.submit(prompt, params, salt, images)
         except ValueError as e:
             raise APIError(400, str(e), param, "invalid_prompt") from None
 
 
-def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict]:
-    """The request's prompt ids (chat.render + encode_segments in the model's format) and the parser's options.
-    chat.py's ValueError (naming the message index or the option) is the client's: a 400 naming that field."""
+def request_images(gen: Generation, messages: list[dict]) -> list:
+    """Decode and preprocess every image part of `messages` (in prompt order), replacing each by the part chat.py
+    renders (its original width and height). A bad image, a remote URL or an image for a text-only model is a 400
+    naming the part."""
+    images = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), list):
+            continue
+        for j, part in enumerate(m["content"]):
+            if part.get("type") != "image_url":
+                continue
+            where = f"messages.{i}.content.{j}.image_url"
+            if gen.vision is None:
+                raise APIError(400, f"{where}: model {gen.model_name!r} has no vision tower and takes no images", where,
+                               "images_not_supported")
+            if m["role"] == "tool":
+                # NOTE: chat.py re-orders a run of tool messages into the calls' order, which would mismatch the
+                # images' order; so tool results carry text only
+                raise APIError(400, f"{where}: images are accepted in system and user messages, not tool results",
+                               where, "invalid_image")
+            try:
+                item = preprocess(decode_image(decode_data_url(part["image_url"]["url"], where), where), gen.vision)
+            except ImageError as e:
+                raise APIError(400, str(e), where, "invalid_image") from None
+            images.append(item)
+            m["content"][j] = {"type": "image_url", "width": item.width, "height": item.height}
+    return images
+
+
+def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict, list]:
+    """The request's prompt ids (chat.render + encode_segments in the model's format; each image's slot written
+    once per vision vector), the parser's options and the preprocessed images. chat.py's ValueError (naming the
+    message index or the option) is the client's: a 400 naming that field."""
     thinking, effort, effort_field = body.thinking()
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     tool_choice = body.tool_choice
@@ -704,6 +752,7 @@ def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict]
     if gen.chat_format == "xtml" or not thinking or effort is not None:  # K2 refuses both: a 400 naming them
         options.update(thinking=thinking, effort=effort)
     messages = [m.model_dump(exclude_none=True, exclude={"tool_calls": {"__all__": {"index"}}}) for m in body.messages]
+    images = request_images(gen, messages)
     try:
         prompt = chat.encode_segments(gen.tokenizer, chat.render(gen.chat_format, messages, **options))
     except ValueError as e:
@@ -711,7 +760,9 @@ def render_request(gen: Generation, body: ChatRequest) -> tuple[list[int], dict]
         raise APIError(400, f"{e} (this model speaks the {gen.chat_format} chat format)",
                        _field_of(str(e), effort_field, thinking_field), "invalid_request") from None
     declared = bool(tools) and tool_choice != "none"
-    return prompt, dict(thinking=thinking, tools_declared=declared)
+    if images:
+        prompt = expand_media_pads(prompt, gen.media_pad, [im.num_tokens for im in images])
+    return prompt, dict(thinking=thinking, tools_declared=declared), images
 
 
 _MESSAGE_INDEX = re.compile(r"^message (\d+)")
@@ -742,9 +793,9 @@ async def chat_completion(gen: Generation, body: ChatRequest, request: HTTPReque
     tokenizer, model_name, metrics = gen.tokenizer, gen.model_name, gen.metrics
     # NOTE: rendering and tokenising a long conversation takes seconds: off the event loop, so that every other
     # client (and /health) is answered meanwhile
-    prompt, parse_options = await run_in_threadpool(render_request, gen, body)
+    prompt, parse_options, images = await run_in_threadpool(render_request, gen, body)
     params = gen.sampling(body, len(prompt), gen.chat_stops, "messages")
-    req, queue = gen.submit(request, prompt, params, body.cache_salt, "messages")
+    req, queue = gen.submit(request, prompt, params, body.cache_salt, "messages", images or None)
     rid, created = f"chatcmpl-{req.id[4:]}", int(time.time())
     parser = chat.IdOutputParser(tokenizer, gen.chat_format, **parse_options)
 
@@ -861,7 +912,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         raise ValueError(f"max_context={max_context} (--max-context) exceeds the model's "
                          f"max_position_embeddings={positions}")
     metrics = Metrics()
-    gen = Generation(tokenizer, model_name, max_context or positions, metrics)
+    gen = Generation(tokenizer, model_name, max_context or positions, metrics, engine.model.config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -132,6 +132,14 @@ def _json_type(value) -> str:
     return "object" if isinstance(value, dict) else "array"
 
 
+def media_prompt(width: int, height: int) -> list[Segment]:
+    """One image's place in a prompt (K3_SPEC section 9), with its ORIGINAL width and height:
+    `<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>`; the one pad is the slot of its
+    vision vectors (openk3.vision.model.expand_media_pads writes one pad per vector)."""
+    return [(MEDIA_BEGIN, True), (f"image {width}x{height}", False), (MEDIA_CONTENT, True), (MEDIA_PAD, True),
+            (MEDIA_END, True)]
+
+
 def _content(content, where: str, images: bool) -> list[Segment]:
     """Message content (str, None or a list of parts) as plain text and media prompts."""
     if content is None:
@@ -151,8 +159,7 @@ def _content(content, where: str, images: bool) -> list[Segment]:
             if not (isinstance(w, int) and isinstance(h, int) and w > 0 and h > 0):
                 raise ValueError(f"{where}: content part {j} is an image without positive integer 'width' and "
                                  f"'height' (its original size, written into the media prompt)")
-            segs += [(MEDIA_BEGIN, True), (f"image {w}x{h}", False), (MEDIA_CONTENT, True), (MEDIA_PAD, True),
-                     (MEDIA_END, True)]
+            segs += media_prompt(w, h)
         else:
             allowed = "'text' or 'image_url'" if images else "'text'"
             raise ValueError(f"{where}: content part {j} must be {{'type': {allowed}, ...}}, got {part!r:.80}")
@@ -624,21 +631,10 @@ def parse_output(text: str, *, thinking: bool = True, tools_declared: bool = Tru
 
 
 def parse_output_ids(tokenizer, ids: list[int], **options) -> ParsedOutput:
-    """Generated ids -> ParsedOutput. Only the marker ids act as markers: runs of other ids are decoded and fed as
-    text, so plain bytes that spell `<|open|>` stay text."""
-    parser = OutputParser(**options)
-    markers = {tokenizer.token_id(m): m for m in XTML_MARKERS}
-    out, run = ParsedOutput(), []
-    for i in list(ids) + [None]:
-        if i is not None and i not in markers:
-            run.append(i)
-            continue
-        if run:
-            parser._token("text", tokenizer.decode(run))
-            run = []
-        if i is not None:
-            parser._token("marker", markers[i])
-    out += parser._take()
+    """Generated XTML ids -> ParsedOutput, all at once (`IdOutputParser`): only the marker ids act as markers, so
+    plain bytes that spell `<|open|>` stay text."""
+    parser = IdOutputParser(tokenizer, "xtml", **options)
+    out = parser.feed(ids)
     out += parser.finish()
     return out
 
@@ -740,7 +736,7 @@ def grown_text(old: str, new: str, final: bool) -> str:
 
 class IdOutputParser:
     """Generated ids -> ParsedOutput deltas, for either format: `feed(ids)` returns what those ids complete,
-    `finish()` the rest. XTML: only marker ids act as markers (as `parse_output_ids`), and a run of text ids is
+    `finish()` the rest. XTML: only marker ids act as markers, and a run of text ids is
     held until its bytes are whole characters. K2: `K2OutputParser`, its growing parts sent as differences."""
 
     def __init__(self, tokenizer, fmt: str, *, thinking: bool = True, tools_declared: bool = True):

@@ -8,7 +8,8 @@ Which optimiser trains which parameter is decided by name and shape in `assign_p
     muon_kda_heads     Muon       yes    KDA q_proj, k_proj, v_proj, one block per head   [inferred]
     muon_mla_q_heads   Muon       yes    MLA q_b_proj (q_proj without q-LoRA), per head   [inferred]
     muon_mla_kv_heads  Muon       yes    MLA kv_b_proj, one [k_nope | v] block per head   [inferred]
-    adamw_decay        AdamW      yes    embed_tokens, lm_head
+    adamw_decay        AdamW      yes    embed_tokens, lm_head; the vision tower's input embedding
+                                         (patch_embed.proj [D, 3, 14, 14], patch_embed.pos_emb [64, 64, D])
     adamw_no_decay     AdamW      no     norms, biases, A_log, dt_bias, conv1d filters, AttnRes
                                          vectors (*_res_norm, *_res_proj), anything 1-D
 
@@ -227,7 +228,7 @@ def param_group_name(name: str, shape: torch.Size, names: set[str], per_head: bo
     """
     module, _, param = name.rpartition(".")
     module_leaf = module.rpartition(".")[2]
-    if module_leaf in ("embed_tokens", "lm_head"):
+    if module_leaf in ("embed_tokens", "lm_head") or ".patch_embed." in f".{module}.":
         return "adamw_decay"
     if (len(shape) < 2 or param in ("bias", "A_log", "dt_bias") or module_leaf.endswith("norm")
             or module_leaf.endswith(("_res_norm", "_res_proj")) or module_leaf.endswith("conv1d")):

@@ -22,6 +22,11 @@ The run directory (`--out`, default `runs/<config>-<time>`):
                                + trainer_state.pt (fp32 master weights, optimizer, data position, RNG)
     checkpoints/latest   the name of the newest complete checkpoint
 
+Image-text (a config with a vision_config, e.g. `openk3 train --config tiny-vl`): the same loop trains the text model,
+the vision tower and the projector jointly from scratch, on next-token loss only, on the synthetic image-text corpus
+of openk3/vision/synthetic.py (generated on the fly; no --data); the run ends with the attribute accuracy of the
+model's descriptions of held-out images (`vision_eval.json`) instead of a text sample and validation loss.
+
 Resuming is exact on the CPU in fp32: the losses after `--resume` equal those of an uninterrupted run, because
 every input of a step is a function of what the checkpoint holds (weights and router biases, optimizer moments,
 the data offset, the step number that drives the schedule and the curriculum).
@@ -61,6 +66,8 @@ from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
 from openk3.train.optim import build_optimizer, cosine_schedule, qk_clip_mla_
+from openk3.vision import synthetic
+from openk3.vision.model import build_model
 
 # ------------------------------------------------------------------------------------------------- settings
 
@@ -115,6 +122,7 @@ class TrainArgs:
     sample_prompt: str = "def "
     sample_tokens: int = 200
     sample_temperature: float = 0.7
+    vision_eval_images: int = 200  # image-text runs: held-out images the final attribute accuracy is measured on
     # torch intra-op CPU threads. NOTE: 1 by default, measured: the tiny model's ops are too small to split, and
     # on 2 cores a step took 0.65 s with 1 thread, 1.4 s with 2, and over 50 s with 2 while another process
     # used one core (the threads wait on each other). Raise it for bigger models.
@@ -148,7 +156,7 @@ SPLIT_SEED = 0  # the train/val split does not move with --seed, so runs with di
 def check_args(a: TrainArgs) -> None:
     """Raise ValueError naming the first bad setting."""
     positive = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_tokens",
-                "ckpt_every", "keep_last", "vocab_size", "sample_tokens")
+                "ckpt_every", "keep_last", "vocab_size", "sample_tokens", "vision_eval_images")
     for name in positive:
         v = getattr(a, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -404,6 +412,29 @@ def prepare_data(args: TrainArgs, run_dir: Path) -> RunData:
     return RunData(tokenizer, train, val)
 
 
+def prepare_image_text_data(args: TrainArgs, run_dir: Path) -> RunData:
+    """The tokenizer of an image-text run (a BPE trained on the synthetic corpus's texts, or --tokenizer); the
+    examples themselves are drawn on the fly by `synthetic.ImageTextStream`, so there is no corpus to hold."""
+    if args.data is not None:
+        raise ValueError(f"--data={args.data}: an image-text run ({args.config} has a vision_config) trains on the "
+                         f"synthetic image-text corpus, generated on the fly; leave --data out")
+    if args.tokenizer is not None:
+        tokenizer = Tokenizer.from_path(args.tokenizer)
+        tokenizer.save(run_dir / "tokenizer")
+    else:
+        # NOTE: repeated so the BPE trainer's pair counts see each text often enough to merge it
+        tokenizer = get_or_train_tokenizer(run_dir, synthetic.corpus_texts() * 20, args.vocab_size)
+    print(f"data: synthetic image-text examples drawn on the fly ({len(synthetic.COLOURS)} colours x "
+          f"{len(synthetic.SHAPES)} shapes, {synthetic.IMAGE_SIZE}x{synthetic.IMAGE_SIZE}); vocabulary "
+          f"{tokenizer.vocab_size}")
+    return RunData(tokenizer, None, None)  # type: ignore[arg-type]
+
+
+def image_inputs(batch) -> dict:
+    """The image arguments of the model's forward for an image-text batch, none for a text batch."""
+    return {k: getattr(batch, k) for k in ("pixel_values", "grid_thws") if hasattr(batch, k)}
+
+
 class RowStreams:
     """Training batches whose B rows come from B independent places of the corpus: row b is read from its own
     `PackedDataset` (one row per batch) whose document order is seeded by (seed, b).
@@ -523,7 +554,8 @@ def init_config(args: TrainArgs, init_dir: Path, tokenizer: Tokenizer) -> K3Conf
     fields = {f.name for f in dataclasses.fields(K3Config)} - {"extra"}  # not what a config.json carries besides
 
     def model_fields(c: K3Config) -> dict:
-        return {k: v for k, v in c.to_dict().items() if k in fields}
+        vision = {"vision_config": c.vision_config.to_dict() if c.vision_config is not None else None}
+        return {**{k: v for k, v in c.to_dict().items() if k in fields}, **vision}
 
     diff = first_difference(model_fields(get_config(args.config)), model_fields(config))
     if diff is not None:
@@ -742,6 +774,7 @@ class TrainResult:
     run_dir: Path
     losses: list[float] = field(default_factory=list)  # the training loss of every step this call ran
     final_eval: dict | None = None
+    vision_eval: dict | None = None  # image-text runs: synthetic.attribute_accuracy on held-out images
     sample: str | None = None
     wall_s: float = 0.0
 
@@ -783,9 +816,13 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     init_dir = find_checkpoint(args.init_from) if args.init_from is not None and not resume else None
     if init_dir is not None and args.tokenizer is None and _has_tokenizer(init_dir):
         args = dataclasses.replace(args, tokenizer=str(init_dir))
+    vision = get_config(args.config).vision_config is not None
+    if vision and dist_env is not None:
+        raise ValueError(f"--config={args.config} has a vision tower: image-text training runs in one process (data "
+                         f"parallelism covers text configs)")
     # rank 0 trains the tokenizer and fills the token cache; the other ranks then read both from the run directory
     if main:
-        data = prepare_data(args, run_dir)
+        data = prepare_image_text_data(args, run_dir) if vision else prepare_data(args, run_dir)
     barrier(dist_env)
     if not main:
         data = prepare_data(args, run_dir)
@@ -810,7 +847,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model = load_pretrained(init_dir, dtype=torch.float32, qat=qat)
         print(f"initialised from {init_dir}")
     else:
-        model = K3ForCausalLM(config, qat=qat)
+        model = build_model(config, qat=qat)  # K3ForConditionalGeneration for a vision_config
         model.reset_parameters(seed=args.seed)
     if not sharded_init:
         model.to(device)
@@ -833,8 +870,11 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                           head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
                                      "mla_kv": config.qk_nope_head_dim + config.v_head_dim})
     world = 1 if dist_env is None else dist_env.world
-    stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed,
-                        rows=None if dist_env is None else rows_of_rank(args.batch_size, dist_env.rank, world))
+    if vision:
+        stream = synthetic.ImageTextStream(data.tokenizer, config, args.batch_size, args.seq_len, seed=args.seed)
+    else:
+        stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed,
+                            rows=None if dist_env is None else rows_of_rank(args.batch_size, dist_env.rank, world))
     balancer = RouterBalancer(model, args.balance, args.qb_bins, args.sign_rate)
     max_logits = MLAMaxLogits(model) if args.qk_clip is not None else None
     phases = parse_seq_len_schedule(args.seq_len_schedule)
@@ -900,7 +940,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             batch = next(stream).to(device)
             with autocast(args.dtype, device):
                 out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
-                            loss_chunk=args.loss_chunk, record=True, record_attnres=record_attnres)
+                            loss_chunk=args.loss_chunk, record=True, record_attnres=record_attnres,
+                            **image_inputs(batch))
             # data parallel: this rank's share of the global batch's mean loss (FSDP averages the gradients)
             share = 1.0 if dist_env is None else global_loss_share(batch.labels, world)
             (out.loss * share / args.grad_accum).backward()
@@ -959,7 +1000,10 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             plots.plot_run(run_dir)  # 0.3 s
     bar.close()
 
-    if args.sample and step == args.steps and dist_env is not None:
+    if vision and step == args.steps:
+        result.vision_eval = synthetic.attribute_accuracy(model, data.tokenizer, n_images=args.vision_eval_images)
+        write_json(run_dir / "vision_eval.json", result.vision_eval)
+    elif args.sample and step == args.steps and dist_env is not None:
         print(f"no sample in a data-parallel run: `openk3 generate --model {run_dir}` samples from its checkpoint")
     elif args.sample and step == args.steps:
         ids = generate(model, data.tokenizer, args.sample_prompt, max_tokens=args.sample_tokens,
@@ -997,6 +1041,11 @@ def print_summary(result: TrainResult, step: int, args: TrainArgs) -> None:
         print(f"validation: loss {ev['loss']:.4f}, {ev['bpb']:.4f} bits per byte on the held-out documents "
               f"(the first {ev['tokens']:,} tokens, {ev['bytes']:,} bytes, in {ev['seq_len']}-token rows; "
               f"`openk3 eval --model {result.run_dir}` repeats it)")
+    if result.vision_eval is not None:
+        ev = result.vision_eval
+        print(synthetic.accuracy_line(ev))
+        for e in ev["examples"]:
+            print(f"  {e['truth']!r:>22} -> {e['answer']!r}")
     print(f"checkpoints, metrics and plots in {result.run_dir}")
     if result.sample is not None:
         print(f"\n---- sample (prompt {args.sample_prompt!r}, temperature {args.sample_temperature}) ----\n"
@@ -1055,6 +1104,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-prompt", help=f"[{d.sample_prompt!r}]")
     p.add_argument("--sample-tokens", type=int, help=f"[{d.sample_tokens}]")
     p.add_argument("--sample-temperature", type=float, help=f"[{d.sample_temperature}]")
+    p.add_argument("--vision-eval-images", type=int, help=f"image-text runs: held-out images described at the end "
+                                                          f"[{d.vision_eval_images}]")
     p.add_argument("--threads", type=int, help=f"torch CPU threads [{d.threads}]")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--nproc", type=int, help="run under torchrun with this many local processes, data parallel "
@@ -1109,6 +1160,15 @@ def cmd_eval(ns: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens={ns.max_tokens}: must be positive, or 0 for every token")
     model, tokenizer, model_dir = load_for_inference(ns.model, ns.device)
     saved = saved_run_args(model_dir)
+    if model.config.vision_config is not None:  # an image-text model: its held-out descriptions, not a text loss
+        if ns.data is not None:
+            raise ValueError(f"--data={ns.data}: an image-text model is evaluated on the synthetic held-out images")
+        ev = synthetic.attribute_accuracy(model, tokenizer, n_images=saved.vision_eval_images if saved else 200)
+        if ns.json:
+            print(json.dumps({"model": str(model_dir), **ev}))
+        else:
+            print(f"{model_dir}: {synthetic.accuracy_line(ev)}")
+        return
     corpus = validation_corpus(model_dir, tokenizer, ns.data)
     settings = eval_settings(saved, ns.data, ns.batch_size, ns.seq_len, ns.max_tokens)
     amp = saved.dtype if saved is not None and ns.device == "cuda" else "fp32"
