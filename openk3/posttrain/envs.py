@@ -1,6 +1,6 @@
 """Tasks and environments with verifiable rewards in K3's three post-training domains (K3_SPEC section 8):
 
-    general   multi-operand addition; the response must be the sum
+    general   addition of two digits; the response must be the sum
     agent     a store with hidden stock: the model calls the `count` tool (in XTML) for two items, reads the
               results and answers their total; the stock is hidden state only the tool reveals
     coding    write `f(x)`; the response's code is run against hidden tests in the subprocess sandbox (sandbox.py)
@@ -50,7 +50,7 @@ class Task:
 def make_task(domain: str, rng: random.Random) -> Task:
     """A random task of `domain` drawn from `rng`."""
     if domain == "general":
-        xs = [rng.randrange(1, 10) for _ in range(rng.choice((2, 3)))]
+        xs = [rng.randrange(1, 10) for _ in range(2)]
         return Task("general", "g-" + "+".join(map(str, xs)), f"Compute {' + '.join(map(str, xs))}.",
                     {"operands": xs, "answer": sum(xs)})
     if domain == "agent":
