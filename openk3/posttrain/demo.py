@@ -38,8 +38,8 @@ def _done(run_dir: Path) -> bool:
 
 
 def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int = 1024, sft_steps: int = 100,
-         rl_iterations: int = 5, rl_pool: int = 16, distill_iterations: int = 5, eval_prompts: int = 12, seed: int = 0,
-         threads: int = 1, device: str = "cpu") -> dict:
+         rl_iterations: int = 5, rl_pool: int = 16, distill_iterations: int = 5, eval_prompts: int = 12,
+         seed: int = 0, threads: int = 1, device: str = "cpu") -> dict:
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     timings_file = root / "timings.json"
@@ -69,9 +69,9 @@ def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int 
     for domain, effort in COMBOS:
         run = root / "rl" / f"{domain}-{effort}"
         if not _done(run):
-            stage(f"rl {domain}-{effort}", lambda: rl(RLArgs(init_from=str(root / "sft"), out=str(run), domain=domain,
-                                                             effort=effort, iterations=rl_iterations, pool=rl_pool, seed=seed,
-                                                             threads=threads, device=device)))
+            stage(f"rl {domain}-{effort}", lambda: rl(RLArgs(
+                init_from=str(root / "sft"), out=str(run), domain=domain, effort=effort, iterations=rl_iterations,
+                pool=rl_pool, seed=seed, threads=threads, device=device)))
     if not _done(root / "distill"):
         stage("distill+report", lambda: distill(DistillArgs(student=str(root / "sft"), teachers=str(root / "rl"),
                                                             out=str(root / "distill"), iterations=distill_iterations,

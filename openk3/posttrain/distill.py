@@ -32,8 +32,9 @@ from torch import Tensor
 
 from openk3.model.checkpoint import find_checkpoint
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import load_policy, log_metrics, make_engine, save_policy, start_run, token_logprobs
-from openk3.posttrain.rl import add_fields, clipped_pg_loss, pad_batch
+from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_engine, save_policy, start_run,
+                                     token_logprobs)
+from openk3.posttrain.rl import clipped_pg_loss, pad_batch
 from openk3.posttrain.rollout import RolloutLimits, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
 from openk3.train.optim import build_optimizer
@@ -93,7 +94,8 @@ def evaluate(engine, tokenizer, tasks_by_domain: dict, effort: str, domain: str,
     trajs = [start_trajectory(t, effort, tokenizer, seed=_seed(seed, "eval", i)) for i, t in enumerate(tasks)]
     advance(engine, tokenizer, trajs, 0, limits)
     n = len(trajs)
-    return {"success": sum(t.success for t in trajs) / n, "reasoning_tokens": sum(t.reasoning_tokens for t in trajs) / n,
+    return {"success": sum(t.success for t in trajs) / n,
+            "reasoning_tokens": sum(t.reasoning_tokens for t in trajs) / n,
             "truncated": sum(t.truncated for t in trajs) / n, "n": n}
 
 

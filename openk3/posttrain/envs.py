@@ -26,6 +26,7 @@ from openk3.posttrain.sandbox import run_python
 
 DOMAINS = ("general", "agent", "coding")
 ITEMS = ("apples", "pears", "plums", "figs", "limes", "kiwis")
+SIGNS = {"plus": "+", "minus": "-", "times": "*"}
 OPS = {"plus": (lambda x, k: x + k), "minus": (lambda x, k: x - k), "times": (lambda x, k: x * k)}
 CODING_TESTS = (0, 1, 2, 5, -3)
 

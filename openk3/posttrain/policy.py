@@ -11,6 +11,8 @@ A post-training run directory (`--out`):
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -86,3 +88,12 @@ def token_logprobs(model: K3ForCausalLM, ids_BT: Tensor) -> Tensor:
     model's earlier positions never see the padding)."""
     logits = model(ids_BT).logits[:, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids_BT[:, 1:, None])[..., 0]
+
+
+def add_fields(p: argparse.ArgumentParser, defaults, exclude: tuple[str, ...]) -> None:
+    """One flag per dataclass field (ints and floats), named as the field with dashes, default in [brackets]."""
+    for f in dataclasses.fields(defaults):
+        if f.name in exclude:
+            continue
+        v = getattr(defaults, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(v), default=v, help=f"[{v}]")

@@ -27,18 +27,17 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import load_policy, log_metrics, make_engine, save_policy, start_run, token_logprobs
+from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_engine, save_policy, start_run,
+                                     token_logprobs)
 from openk3.posttrain.rollout import RolloutLimits, Trajectory, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
 from openk3.train.optim import build_optimizer
@@ -63,7 +62,8 @@ def group_advantages(rewards: list[float], groups: list[int], eps: float = 1e-6)
     by: dict[int, list[float]] = {}
     for r, g in zip(rewards, groups):
         by.setdefault(g, []).append(r)
-    stats = {g: (sum(v) / len(v), math.sqrt(sum((x - sum(v) / len(v)) ** 2 for x in v) / len(v))) for g, v in by.items()}
+    mean = {g: sum(v) / len(v) for g, v in by.items()}
+    stats = {g: (mean[g], math.sqrt(sum((x - mean[g]) ** 2 for x in v) / len(v))) for g, v in by.items()}
     return [0.0 if stats[g][1] < eps else (r - stats[g][0]) / (stats[g][1] + eps) for r, g in zip(rewards, groups)]
 
 
@@ -257,15 +257,3 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
     p.set_defaults(fn=lambda ns: rl(RLArgs(**{k: v for k, v in vars(ns).items() if k not in ("fn", "command")})))
 
-
-def add_fields(p: argparse.ArgumentParser, defaults, exclude: tuple[str, ...]) -> None:
-    """One flag per dataclass field (ints and floats), named as the field with dashes, default in [brackets]."""
-    for f in dataclasses.fields(defaults):
-        if f.name in exclude:
-            continue
-        v = getattr(defaults, f.name)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(v), default=v, help=f"[{v}]")
-
-
-def read_rows(run_dir: str | Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]

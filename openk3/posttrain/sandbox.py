@@ -115,7 +115,8 @@ def _limits(time_limit: float, memory_mb: int, file_mb: int):
     return apply
 
 
-def run_python(code: str, tests: str, *, time_limit: float = 2.0, memory_mb: int = 256, file_mb: int = 1) -> SandboxResult:
+def run_python(code: str, tests: str, *, time_limit: float = 2.0, memory_mb: int = 256,
+               file_mb: int = 1) -> SandboxResult:
     """Run `code` then `tests` (asserts) in a sandboxed child process; see the module docstring."""
     import time
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.posttrain.policy import load_policy, log_metrics, save_policy, start_run
+from openk3.posttrain.policy import add_fields, load_policy, log_metrics, save_policy, start_run
 from openk3.text.chat import encode_segments, render_xtml
 from openk3.train.data import IGNORE_INDEX, Batch
 from openk3.train.optim import build_optimizer, cosine_schedule
@@ -199,9 +199,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", required=True, metavar="DIR", help="checkpoint or run directory to start from")
     p.add_argument("--data", required=True, help="JSONL of {messages, tools, effort} (openk3 posttrain-data)")
     p.add_argument("--out", required=True, help="run directory")
-    for name in ("steps", "batch_size", "seq_len", "seed", "log_every", "threads"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name), help=f"[{getattr(d, name)}]")
-    for name in ("lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name), help=f"[{getattr(d, name)}]")
+    add_fields(p, d, exclude=("init_from", "data", "out", "device"))
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
     p.set_defaults(fn=lambda ns: sft(SFTArgs(**{k: v for k, v in vars(ns).items() if k not in ("fn", "command")})))

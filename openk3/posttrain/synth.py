@@ -15,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-from openk3.posttrain.envs import DOMAINS, OPS, Task, make_env, make_task
+from openk3.posttrain.envs import DOMAINS, OPS, SIGNS, Task, make_env, make_task
 from openk3.text.chat import EFFORTS
 
 SFT_EFFORTS = (None,) + EFFORTS  # None: no thinking-effort message (the default effort)
@@ -60,7 +60,7 @@ def agent_reasoning(turn: int, a: str, b: str, seen: dict, effort: str | None) -
 
 
 def coding_reasoning(op: str, k: int, effort: str | None) -> str:
-    sign = {"plus": "+", "minus": "-", "times": "*"}[op]
+    sign = SIGNS[op]
     verb = {"plus": "add", "minus": "subtract", "times": "multiply by"}[op]
     if effort == "low":
         return f"return x {sign} {k}."
@@ -94,7 +94,7 @@ def solve(task: Task, effort: str | None) -> list[dict]:
                 msg["content"] = str(spec["answer"])
             turns.append(msg)
     else:
-        sign = {"plus": "+", "minus": "-", "times": "*"}[spec["op"]]
+        sign = SIGNS[spec["op"]]
         turns = [{"reasoning_content": coding_reasoning(spec["op"], spec["k"], effort),
                   "content": f"def f(x):\n    return x {sign} {spec['k']}"}]
     for msg in turns:

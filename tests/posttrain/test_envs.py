@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from openk3.posttrain.envs import DOMAINS, CodingEnv, coding_tests, extract_code, make_env, make_task
+from openk3.posttrain.envs import DOMAINS, SIGNS, CodingEnv, coding_tests, extract_code, make_env, make_task
 from openk3.posttrain.sandbox import run_python
 
 
@@ -70,7 +70,7 @@ def test_every_domain_makes_tasks_and_envs(domain):
 
 def test_coding_reward_runs_hidden_tests():
     task = make_task("coding", random.Random(2))
-    sign = {"plus": "+", "minus": "-", "times": "*"}[task.spec["op"]]
+    sign = SIGNS[task.spec["op"]]
     good = f"```python\ndef f(x):\n    return x {sign} {task.spec['k']}\n```"
     assert extract_code(good).strip().startswith("def f")
     for code, reward in ((good, 1.0), ("def f(x):\n    return 0", 0.0), ("def f(x) return", 0.0)):
