@@ -5,7 +5,8 @@
   1. synthetic trajectories (synth.py) -> sft.jsonl; a byte-level BPE trained on their rendered text; a random
      `--config` model with that vocabulary (base/);
   2. `sft` on the trajectories (sft/);
-  3. `rl` for every domain x effort, 9 policies (rl/<domain>-<effort>/);
+  3. `rl` for every domain x effort, 9 policies (rl/<domain>-<effort>/; rl/metrics.jsonl and rl/plots/rl.png
+     hold all nine);
   4. `distill` (MOPD) of the nine into one student, and the report: success and reasoning length per domain and
      effort of each teacher, the SFT start and the student (distill/report.md).
 A stage whose run directory already holds a finished checkpoint is skipped, so an interrupted demo continues at the
@@ -25,12 +26,14 @@ from pathlib import Path
 from openk3.config import get_config
 from openk3.model.checkpoint import CHECKPOINTS, LATEST, init_checkpoint
 from openk3.posttrain.distill import COMBOS, DistillArgs, distill
+from openk3.posttrain.plots import plot_rl
+from openk3.posttrain.policy import METRICS_FILE
 from openk3.posttrain.rl import RLArgs, rl
 from openk3.posttrain.sft import SFTArgs, sft
 from openk3.posttrain.synth import generate, write_jsonl
 from openk3.text.chat import render_xtml, segments_text
 from openk3.text.tokenizer import train_bpe
-from openk3.train.trainer import write_json
+from openk3.train.trainer import write_json, write_text_atomic
 
 
 def _done(run_dir: Path) -> bool:
@@ -72,6 +75,9 @@ def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int 
             stage(f"rl {domain}-{effort}", lambda: rl(RLArgs(
                 init_from=str(root / "sft"), out=str(run), domain=domain, effort=effort, iterations=rl_iterations,
                 pool=rl_pool, seed=seed, threads=threads, device=device)))
+    merged = [line for d, e in COMBOS for line in (root / "rl" / f"{d}-{e}" / METRICS_FILE).read_text().splitlines()]
+    write_text_atomic(root / "rl" / METRICS_FILE, "".join(line + "\n" for line in merged))
+    plot_rl(root / "rl")  # all nine policies in one figure: reasoning length by effort, per domain
     if not _done(root / "distill"):
         stage("distill+report", lambda: distill(DistillArgs(student=str(root / "sft"), teachers=str(root / "rl"),
                                                             out=str(root / "distill"), iterations=distill_iterations,
