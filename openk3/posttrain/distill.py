@@ -116,7 +116,9 @@ def distill(args: DistillArgs) -> dict:
         model, tok, _ = load_policy(d, args.device)
         if tok.fingerprint() != tokenizer.fingerprint():
             raise ValueError(f"teacher {d} has a different tokenizer from the student {student_dir}")
-        teachers[combo] = make_engine(model.eval().requires_grad_(False), args.max_total_tokens, max_batch=2)
+        # batch room for the report's evaluation rollouts; scoring runs one sequence at a time
+        teachers[combo] = make_engine(model.eval().requires_grad_(False), args.max_total_tokens,
+                                      max_batch=max(args.eval_prompts, 1))
     initial = copy.deepcopy(student).eval().requires_grad_(False)
     n_rollouts = len(COMBOS) * args.prompts * args.samples
     engine = make_engine(copy.deepcopy(student).eval(), args.max_total_tokens, max_batch=n_rollouts)
