@@ -98,6 +98,10 @@ def test_sandbox_stops_unbounded_allocation():
     assert not r.passed and r.status in ("memory", "error")
     r = run_python("x = bytearray(10**11)", TESTS, memory_mb=128)
     assert not r.passed and r.status in ("memory", "error")
+    env = CodingEnv(memory_mb=128)
+    env.reset(make_task("coding", random.Random(2)))
+    result = env.step({"role": "assistant", "content": "a = []\nwhile True:\n    a.append(' ' * 10**7)"})
+    assert result.reward == 0.0 and result.info["status"] in ("memory", "error")
 
 
 def test_nothing_escapes_the_sandbox(tmp_path):
