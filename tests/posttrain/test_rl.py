@@ -148,3 +148,52 @@ def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path):
     with pytest.raises(SystemExit):
         main(["rl", "--init-from", str(policy_dir), "--out", str(tmp_path / "x"), "--domain", "agent",
               "--effort", "medium"])
+
+
+class ScriptedEngine:
+    """Stands in for the engine in `advance`: writes the scripted expert's agent episode (two tool calls, then the
+    answer), at most max_tokens tokens per request, continuing wherever the prompt's current turn stands."""
+
+    def __init__(self, tok, task):
+        from openk3.posttrain.synth import solve
+        from openk3.text.chat import END, encode_segments, render_xtml
+
+        self.gen = encode_segments(tok, render_xtml([]))  # the generation prompt
+        self.turns = [encode_segments(tok, render_xtml([m], add_generation_prompt=False))[len(self.gen):]
+                      for m in solve(task, "low") if m["role"] == "assistant"]
+        self.end = tok.token_id(END)
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+
+        out = []
+        for prompt, p in zip(prompts, params):
+            n_end = prompt.count(self.end)
+            g = len(self.gen)
+            start = max(i + g for i in range(len(prompt) - g + 1) if prompt[i:i + g] == self.gen)  # the turn's start
+            turn = self.turns[(n_end - self.n0) // 2]
+            done = len(prompt) - start
+            ids = turn[done:done + p.max_tokens]
+            out.append(SimpleNamespace(output=ids, logprobs=[-0.1 * (done + i) for i in range(len(ids))],
+                                       error=None, finish_reason="stop" if ids[-1] == self.end else "length"))
+        return out
+
+
+def test_partial_rollout_resumes_across_tool_turns_from_snapshots(tokenizer):
+    task = make_task("agent", random.Random(7))
+    limits = RolloutLimits(chunk_tokens=7, max_turn_tokens=200, max_total_tokens=2000)
+    engine = ScriptedEngine(tokenizer, task)
+    whole = start_trajectory(task, "low", tokenizer, seed=3)
+    engine.n0 = whole.tokens.count(engine.end)
+    advance(engine, tokenizer, [whole], 0, limits)
+    assert whole.done and whole.reward == 1.0 and whole.turns == 3 and whole.status == "correct"
+    part = start_trajectory(task, "low", tokenizer, seed=3)
+    calls, cut_after_tool = 0, False
+    while not part.done:  # one round per call: every call resumes in a fresh environment from the snapshot
+        advance(engine, tokenizer, [part], calls, limits, max_rounds=1)
+        cut_after_tool |= not part.done and part.turns >= 1 and part.env_snapshot["turn"] == part.turns
+        calls += 1
+    assert cut_after_tool and calls > 3
+    assert part.tokens == whole.tokens and part.written == whole.written and part.logprobs == whole.logprobs
+    assert part.reward == 1.0 and part.turns == 3 and part.reasoning_tokens == whole.reasoning_tokens
+    assert len(set(v for v, w in zip(part.versions, part.written) if w)) == calls  # a version per call
