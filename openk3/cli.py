@@ -1,4 +1,5 @@
-"""The `openk3` command: info, init, train, eval, generate, chat, serve, lm-eval, convert, render.
+"""The `openk3` command: info, init, train, eval, generate, chat, serve, lm-eval, convert, render,
+posttrain-data, sft, rl, distill, posttrain-demo.
 
 A command imports only what it needs: `openk3 info` never loads the trainer, `openk3 train` never loads FastAPI.
 `COMMANDS` names the module that defines each command and its line in `openk3 --help`. Only the module of the
@@ -26,6 +27,11 @@ COMMANDS = {
                                         "needs openk3[eval])"),
     "convert": ("openk3.parallel.dcp", "convert a sharded DCP checkpoint to the release safetensors layout, or back"),
     "render": ("openk3.text.chat", "print a conversation rendered as the model's chat prompt (text, segments, ids)"),
+    "posttrain-data": ("openk3.posttrain.synth", "write synthetic SFT trajectories (general, agent, coding)"),
+    "sft": ("openk3.posttrain.sft", "supervised fine-tuning on XTML conversations (loss on assistant tokens)"),
+    "rl": ("openk3.posttrain.rl", "GRPO for one domain/effort policy: budget penalty, partial rollouts"),
+    "distill": ("openk3.posttrain.distill", "multi-teacher on-policy distillation of the nine policies into one"),
+    "posttrain-demo": ("openk3.posttrain.demo", "SFT -> RL (3 domains x 3 efforts) -> MOPD, tiny, on the CPU"),
 }
 
 

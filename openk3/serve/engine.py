@@ -234,6 +234,48 @@ class Engine:
             self.step()
         return reqs
 
+    # ---- for post-training: weight updates and scoring
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy new weights into the target model in place (RL syncs the trained policy here each iteration) and
+        drop the whole prefix cache: its latents and KDA checkpoints were computed by the old weights. Only
+        between requests. NOTE: a draft model keeps its own weights (an early-exit draft shares the target's)."""
+        if self.has_work():
+            raise RuntimeError("load_weights while requests are running: finish or cancel them first")
+        self.model.load_state_dict(state_dict)
+        if self.prefix is not None:
+            while self.prefix.evict_one():
+                pass
+            if self.prefix.nodes:
+                raise RuntimeError(f"{len(self.prefix.nodes)} prefix-cache blocks stayed pinned after a weight change")
+        self.counters["weight_loads"] = self.counters.get("weight_loads", 0) + 1
+
+    @torch.inference_mode()
+    def score(self, tokens: list[int]) -> list[float]:
+        """fp32 log-probabilities of tokens[1:], each given the tokens before it, under the target's raw logits (a
+        teacher's view of another model's sample; vLLM's prompt logprobs). Runs at once, outside the schedule,
+        as B = 1 chunked prefills into pages of its own that are freed afterwards."""
+        if len(tokens) < 2:
+            raise ValueError(f"score needs at least 2 tokens, got {len(tokens)}")
+        V = self.model.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {V})")
+        need = self.pool.pages_for(len(tokens))
+        if not self._make_room(need):
+            raise ValueError(f"{len(tokens)} tokens need {need} pages; the pool has {self.pool.available} free")
+        self.pool.reserve(need)
+        seq, states, out = PagedSeq(reserved=need), self.target.new_states(), []
+        try:
+            for start in range(0, len(tokens) - 1, self.cfg.prefill_chunk):
+                chunk = tokens[start:min(start + self.cfg.prefill_chunk, len(tokens) - 1)]
+                logp = torch.log_softmax(self._forward(self.model, self.pool, [seq], states, [chunk])[0], -1)
+                nxt = torch.tensor(tokens[start + 1:start + 1 + len(chunk)], device=logp.device)
+                out += logp.gather(1, nxt[:, None])[:, 0].tolist()
+        finally:
+            seq.free(self.pool)
+        return out
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One scheduling step (module docstring); returns the tokens produced in it, per request."""

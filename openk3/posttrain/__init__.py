@@ -1,0 +1,1 @@
+"""Post-training (K3_SPEC section 8): environments, SFT, RL with budget tiers and partial rollouts, MOPD."""

@@ -1,0 +1,99 @@
+"""What SFT, RL and distillation share: loading a policy for training, saving it as a run's checkpoint, the engine
+that samples from it, per-token log-probabilities, and the metrics file.
+
+A post-training run directory (`--out`):
+    args.json             the command's resolved settings
+    metrics.jsonl         one JSON object per logged step / iteration
+    plots/*.png           drawn from metrics.jsonl
+    checkpoints/final/    a release-format model dir + tokenizer (`openk3 chat --model RUN` loads it)
+    checkpoints/latest    "final" once the checkpoint is complete (written last, atomically)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from openk3.model.checkpoint import CHECKPOINTS, LATEST, find_checkpoint, load_pretrained, save_pretrained
+from openk3.model.model import K3ForCausalLM
+from openk3.serve.engine import Engine, EngineConfig
+from openk3.text.tokenizer import Tokenizer
+from openk3.train.trainer import write_json, write_text_atomic
+
+METRICS_FILE = "metrics.jsonl"
+FINAL = "final"
+
+
+def load_policy(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
+    """(fp32 model for training, its tokenizer, the model directory) of a checkpoint or run directory. The model
+    runs with QAT exactly when its config stores MXFP4 experts, as `openk3 train` and `load_for_inference` do, so
+    the engine's and the trainer's log-probabilities come from the same function."""
+    model_dir = find_checkpoint(path)
+    tokenizer = Tokenizer.load(model_dir)
+    model = load_pretrained(model_dir, device=device, dtype=torch.float32, qat=_qat(model_dir))
+    return model, tokenizer, model_dir
+
+
+def _qat(model_dir: Path) -> bool:
+    from openk3.config import K3Config
+
+    return K3Config.load(model_dir).mxfp4_experts
+
+
+def save_policy(run_dir: Path, model: K3ForCausalLM, tokenizer: Tokenizer) -> Path:
+    """checkpoints/final (atomic: save_pretrained builds it beside and renames), then `latest` names it."""
+    final = run_dir / CHECKPOINTS / FINAL
+    save_pretrained(model, final)
+    tokenizer.save(final)
+    write_text_atomic(run_dir / CHECKPOINTS / LATEST, FINAL + "\n")
+    return final
+
+
+def start_run(out: str | Path, args: dict) -> Path:
+    """Create the run directory, write args.json, start a fresh metrics.jsonl. A directory that already holds a
+    finished checkpoint is refused (runs are not overwritten)."""
+    run_dir = Path(out)
+    if (run_dir / CHECKPOINTS / LATEST).is_file():
+        raise ValueError(f"--out={run_dir} already holds a finished run; choose another --out or delete it")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "args.json", args)
+    (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    return run_dir
+
+
+def log_metrics(run_dir: Path, record: dict) -> None:
+    with open(run_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def make_engine(model: K3ForCausalLM, max_seq_tokens: int, max_batch: int = 64) -> Engine:
+    """An engine over `model` for rollouts: room for `max_batch` sequences of `max_seq_tokens`, small pages and
+    hashes (prompts here are short), KDA checkpoints only at prompt and turn ends (where chunks resume)."""
+    page = 16
+    pages = max_batch * (max_seq_tokens // page + 2) + 1
+    return Engine(model, EngineConfig(page_size=page, num_pages=pages, max_batch=max_batch, prefill_chunk=512,
+                                      hash_interval=page, checkpoint_interval=None))
+
+
+def token_logprobs(model: K3ForCausalLM, ids_BT: Tensor) -> Tensor:
+    """fp32 log p(ids[:, t + 1] | ids[:, :t + 1]) for t < T - 1: [B, T - 1]. Rows may be right-padded (a causal
+    model's earlier positions never see the padding)."""
+    logits = model(ids_BT).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids_BT[:, 1:, None])[..., 0]
+
+
+def add_fields(p: argparse.ArgumentParser, defaults, exclude: tuple[str, ...]) -> None:
+    """One flag per dataclass field (ints and floats), named as the field with dashes, default in [brackets]."""
+    for f in dataclasses.fields(defaults):
+        if f.name in exclude:
+            continue
+        v = getattr(defaults, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(v), default=v, help=f"[{v}]")

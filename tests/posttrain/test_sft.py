@@ -1,0 +1,98 @@
+"""SFT: loss only on assistant tokens, packing with document boundaries, and the command end to end."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from openk3.cli import main
+from openk3.model.checkpoint import find_checkpoint
+from openk3.posttrain.envs import make_task
+from openk3.posttrain.sft import collate, encode_conversation, pack
+from openk3.posttrain.synth import generate, solve, write_jsonl
+from openk3.text.chat import encode_segments, render_xtml
+from openk3.train.data import IGNORE_INDEX
+
+WRITTEN = ("{r}<|close|>think<|sep|><|open|>response<|sep|>{c}<|close|>response<|sep|><|close|>message<|sep|>"
+           "<|end_of_msg|>")
+
+
+def test_targets_are_exactly_what_the_assistant_writes(tokenizer):
+    messages = solve(make_task("general", random.Random(0)), "high")
+    ids, target = encode_conversation(tokenizer, messages, effort="high")
+    assert ids == encode_segments(tokenizer, render_xtml(messages, effort="high", add_generation_prompt=False))
+    a = messages[-1]
+    assert tokenizer.decode([i for i, t in zip(ids, target) if t]) == WRITTEN.format(r=a["reasoning_content"],
+                                                                                   c=a["content"])
+    # the context ends with the generation prompt, which the model is given, not asked to write
+    first = target.index(True)
+    assert tokenizer.decode(ids[:first]).endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert ids[:first] == encode_segments(tokenizer, render_xtml(messages[:-1], effort="high"))
+
+
+def test_tool_results_and_prompts_are_context(tokenizer):
+    env_rows = [r for r in generate(6, seed=3) if r["domain"] == "agent"]
+    row = env_rows[0]
+    ids, target = encode_conversation(tokenizer, row["messages"], tools=row["tools"], effort=row["effort"])
+    spans, cur = [], None
+    for i, t in enumerate(target + [False]):
+        if t and cur is None:
+            cur = i
+        elif not t and cur is not None:
+            spans.append(tokenizer.decode(ids[cur:i]))
+            cur = None
+    assistants = [m for m in row["messages"] if m["role"] == "assistant"]
+    assert len(spans) == len(assistants) == 3
+    for span, m in zip(spans, assistants):
+        assert span.startswith(m["reasoning_content"]) and span.endswith("<|end_of_msg|>")
+        assert "role=" not in span  # no header of any message, no tool result
+    context = tokenizer.decode([i for i, t in zip(ids, target) if not t])
+    assert 'role="tool"' in context and "# Tools" in context
+
+
+def test_packing_keeps_documents_apart(tokenizer):
+    rng = random.Random(0)
+    docs = []
+    for _ in range(9):
+        n = rng.randrange(3, 40)
+        docs.append(([rng.randrange(30, 300) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)]))
+    rows = pack(docs, 64, tokenizer.pad_id)
+    assert len(rows) < len(docs)  # documents share rows
+    seen = []
+    for r in rows:
+        assert len(r["ids"]) == 64 and r["starts"][0] == 0
+        bounds = r["starts"] + [64]
+        for s, e in zip(bounds, bounds[1:]):
+            seen.append(r["ids"][s:e])
+            assert r["labels"][e - 1] == IGNORE_INDEX  # a document's last token predicts nothing across the boundary
+    for ids, target in docs:  # every document appears whole, with labels only where the next token is a target
+        assert ids in seen
+        r = next(r for r in rows for s in r["starts"] if r["ids"][s:s + len(ids)] == ids)
+        s = next(s for s in r["starts"] if r["ids"][s:s + len(ids)] == ids)
+        want = [ids[t + 1] if target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+        assert r["labels"][s:s + len(ids)] == want
+    batch = collate(rows[:2])
+    assert batch.cu_seqlens.tolist() == rows[0]["starts"] + [64 + s for s in rows[1]["starts"]] + [128]
+    assert batch.seq_ids[0].tolist() == [sum(s <= t for s in rows[0]["starts"]) - 1 for t in range(64)]
+    with pytest.raises(ValueError, match="more than --seq-len=64"):
+        pack([([1] * 65, [True] * 65)], 64, 0)
+
+
+def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    write_jsonl(data, generate(12, seed=0))
+    out = tmp_path / "sft"
+    main(["sft", "--init-from", str(policy_dir), "--data", str(data), "--out", str(out), "--steps", "4",
+          "--batch-size", "2", "--seq-len", "768", "--log-every", "1", "--lr", "3e-3"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert find_checkpoint(out).name == "final" and (out / "plots" / "loss.png").is_file()
+    with pytest.raises(SystemExit):  # a finished run is not overwritten (ValueError -> `openk3 sft: error`)
+        main(["sft", "--init-from", str(policy_dir), "--data", str(data), "--out", str(out)])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": 3}\n')
+    with pytest.raises(SystemExit):
+        main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "x")])
+    assert torch.isfinite(torch.tensor(rows[-1]["loss"]))
