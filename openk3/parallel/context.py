@@ -38,9 +38,14 @@ from openk3.ops.kda import select_kda_backend
 
 
 
+# NOTE: torch 2.13 renamed `all_gather_tensor_autograd` (deprecated there, with a warning per call) to
+# `all_gather_single_autograd`; torch 2.11 has only the old name (it failed on the H200 this way).
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
 def all_gather(x: Tensor, world: int, group) -> list[Tensor]:
     """Every rank's x (same shape on all), differentiable: the backward sums each rank's gradients home."""
-    out = funcol.all_gather_single_autograd(x.contiguous(), 0, group or dist.group.WORLD)
+    out = _all_gather_autograd(x.contiguous(), 0, group or dist.group.WORLD)
     return list(funcol.wait_tensor(out).chunk(world))
 
 
