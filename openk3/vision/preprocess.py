@@ -34,6 +34,13 @@ IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)  # [inferred] Kimi K2.5's preprocessor_
 MAX_PIXELS = 8192 * 8192
 # Modes Pillow converts to RGB without losing meaning; 16-bit and float images (I, I;16, F) are refused.
 CONVERTIBLE_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBa", "CMYK", "YCbCr", "La")
+# The raster formats Pillow may open. NOTE: not "anything Pillow reads": client bytes must never reach plugins such
+# as EPS (Pillow runs Ghostscript on it) or the many rarely used decoders.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Longer side / shorter side. Above it, the zero padding to 28 multiplies the patches: a 1 x 60,000,000 PNG (a few
+# KB) would pad to 28 columns, 4M patches and a 9 GB canvas. 200 as Qwen2-VL's processor [inferred: K3's own bound is
+# not published].
+MAX_ASPECT_RATIO = 200
 
 
 class ImageError(ValueError):
@@ -48,7 +55,7 @@ def decode_image(data: bytes, where: str = "image"):
     if not data:
         raise ImageError(f"{where}: empty file (0 bytes)")
     try:
-        with Image.open(io.BytesIO(data)) as probe:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as probe:
             w, h = probe.size
             mode = probe.mode
             if w == 0 or h == 0:
@@ -63,7 +70,8 @@ def decode_image(data: bytes, where: str = "image"):
     except ImageError:
         raise
     except UnidentifiedImageError:
-        raise ImageError(f"{where}: not an image Pillow can read ({len(data)} bytes starting {data[:8]!r})") from None
+        raise ImageError(f"{where}: not an image in a format accepted here ({', '.join(IMAGE_FORMATS)}; "
+                         f"{len(data)} bytes starting {data[:8]!r})") from None
     except Image.DecompressionBombError as e:
         raise ImageError(f"{where}: too large ({e})") from None
     except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
@@ -94,6 +102,10 @@ def decode_data_url(url: str, where: str = "image_url") -> bytes:
     m = _DATA_URL.fullmatch(url.strip())
     if m is None:
         scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+        if scheme.strip().lower() == "data":
+            head = url.strip()[5:].split(",", 1)[0]
+            raise ImageError(f"{where}: a data URL must be data:image/<type>;base64,<data>; got media type "
+                             f"{head[:40]!r}")
         raise ImageError(f"{where}: only base64 data URLs (data:image/png;base64,...) are accepted; remote or "
                          f"other URLs are not fetched (got scheme {scheme!r})")
     try:
@@ -106,6 +118,9 @@ def resized_size(width: int, height: int, patch_size: int = 14, patch_limit: int
     """(W', H') before padding: scaled down with the aspect ratio kept so that (W'/p) * (H'/p) <= patch_limit."""
     if width < 1 or height < 1:
         raise ImageError(f"image size {width}x{height}: must be positive")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ImageError(f"image size {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO}:1 (its padding to "
+                         f"multiples of {2 * patch_size} would multiply the patches)")
     scale = min(1.0, math.sqrt(patch_limit / ((width / patch_size) * (height / patch_size))))
     return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
 

@@ -126,3 +126,32 @@ def test_data_urls():
         decode_data_url("https://example.com/cat.png")
     with pytest.raises(ImageError, match="not valid base64"):
         decode_data_url("data:image/png;base64,@@@")
+
+
+def test_extreme_aspect_ratios_are_refused():
+    """A 1-pixel-wide strip passes the pixel limit, but its padding to 28 columns would multiply its patches (a
+    1 x 60M PNG is a few KB and would become a 9 GB canvas): refused before anything is allocated."""
+    with pytest.raises(ImageError, match="aspect ratio above 200:1"):
+        resized_size(1, 60_000_000)
+    with pytest.raises(ImageError, match="aspect ratio"):
+        num_image_tokens(5000, 20, V)
+    strip = png_bytes(Image.new("RGB", (1, 5000)))
+    with pytest.raises(ImageError, match="aspect ratio"):
+        preprocess(decode_image(strip), V)
+    assert image_grid(200, 1, V) == (1, 2, 16)  # at the bound still accepted
+
+
+def test_only_common_raster_formats_are_opened():
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, "TIFF")
+    with pytest.raises(ImageError, match="not an image in a format accepted here"):
+        decode_image(buf.getvalue())
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, fmt)
+        assert decode_image(buf.getvalue()).size == (8, 8)
+
+
+def test_data_urls_with_another_media_type_say_so():
+    with pytest.raises(ImageError, match="media type 'text/plain;base64'"):
+        decode_data_url("data:text/plain;base64,aGVsbG8=")
