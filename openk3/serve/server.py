@@ -52,7 +52,7 @@ from openk3.model.checkpoint import load_for_inference
 from openk3.serve.engine import Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg, set_threads
 from openk3.text import chat
 from openk3.vision.model import expand_media_pads
-from openk3.vision.preprocess import ImageError, decode_data_url, decode_image, preprocess
+from openk3.vision.preprocess import ImageError, decode_data_url, decode_image, num_image_tokens, preprocess
 
 log = logging.getLogger("openk3.serve.server")
 
@@ -711,7 +711,7 @@ def request_images(gen: Generation, messages: list[dict]) -> list:
     """Decode and preprocess every image part of `messages` (in prompt order), replacing each by the part chat.py
     renders (its original width and height). A bad image, a remote URL or an image for a text-only model is a 400
     naming the part."""
-    images = []
+    images, tokens = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m.get("content"), list):
             continue
@@ -728,7 +728,15 @@ def request_images(gen: Generation, messages: list[dict]) -> list:
                 raise APIError(400, f"{where}: images are accepted in system and user messages, not tool results",
                                where, "invalid_image")
             try:
-                item = preprocess(decode_image(decode_data_url(part["image_url"]["url"], where), where), gen.vision)
+                image = decode_image(decode_data_url(part["image_url"]["url"], where), where)
+                # NOTE: counted before preprocessing, which holds each image as fp32 patches (up to ~150 MB): an
+                # 8 MiB body fits dozens of small PNGs of 8192^2 pixels, whose prompt the context check would only
+                # refuse after all of them were in memory
+                tokens += num_image_tokens(*image.size, gen.vision)
+                if tokens > gen.max_context:
+                    raise APIError(400, f"{where}: the images up to this one need {tokens} vision tokens, more than "
+                                        f"the context holds ({gen.max_context})", where, "invalid_image")
+                item = preprocess(image, gen.vision)
             except ImageError as e:
                 raise APIError(400, str(e), where, "invalid_image") from None
             images.append(item)

@@ -113,3 +113,23 @@ def test_text_only_model_refuses_images(tmp_path):
             "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (8, 8)))}}]}]})
     assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
+
+
+def test_images_beyond_the_context_are_refused_before_preprocessing(client, served, monkeypatch):
+    """Many images in one body: the 400 comes at the image that overflows the context (512 here), and no image after
+    it is preprocessed (each costs its fp32 patches in memory)."""
+    import openk3.serve.server as server_module
+    from openk3.vision.preprocess import num_image_tokens
+
+    vision = served.model.config.vision_config
+    side = 28
+    while num_image_tokens(side, side, vision) * 2 <= 512:
+        side += 28
+    calls = []
+    monkeypatch.setattr(server_module, "preprocess", lambda *a: calls.append(1) or preprocess(*a))
+    url = data_url(Image.new("RGB", (side, side), (5, 6, 7)))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}} for _ in range(6)]}])
+    assert "messages.0.content.1.image_url" in str(e.value) and "vision tokens" in str(e.value)
+    assert len(calls) == 1
