@@ -418,6 +418,8 @@ def prepare_image_text_data(args: TrainArgs, run_dir: Path) -> RunData:
     if args.data is not None:
         raise ValueError(f"--data={args.data}: an image-text run ({args.config} has a vision_config) trains on the "
                          f"synthetic image-text corpus, generated on the fly; leave --data out")
+    if args.seed == synthetic.HELD_OUT_SEED:  # the stream of seed s is drawn from s alone: this one IS the eval set
+        raise ValueError(f"--seed={args.seed}: the seed of the held-out images the run is evaluated on; pick another")
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_path(args.tokenizer)
         tokenizer.save(run_dir / "tokenizer")

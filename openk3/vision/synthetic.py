@@ -33,7 +33,7 @@ SHAPES = ("circle", "square", "triangle", "cross")
 ATTRIBUTES = ("colour", "shape")
 IMAGE_SIZE = 84  # 6 x 6 patches -> 9 vision tokens
 PROMPT = "Describe the image."
-HELD_OUT_SEED = 10**9  # held-out images are drawn from seeds beyond any training seed's
+HELD_OUT_SEED = 10**9  # held-out images are drawn from this seed's stream; the trainer refuses it as a training seed
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,11 @@ def test_data_is_refused(tmp_path):
         train(args(tmp_path, "x", data="somewhere"))
 
 
+def test_the_held_out_seed_is_refused_for_training(tmp_path):
+    with pytest.raises(ValueError, match="--seed=1000000000: the seed of the held-out images"):
+        train(args(tmp_path, "x", seed=synthetic.HELD_OUT_SEED))
+
+
 def test_examples_are_deterministic_and_labels_cover_only_the_answer():
     a, b = synthetic.draw_example(3, 17), synthetic.draw_example(3, 17)
     assert a.description == b.description and a.image.tobytes() == b.image.tobytes()
