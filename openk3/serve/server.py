@@ -732,7 +732,9 @@ def request_images(gen: Generation, messages: list[dict]) -> list:
                 # NOTE: counted before preprocessing, which holds each image as fp32 patches (up to ~150 MB): an
                 # 8 MiB body fits dozens of small PNGs of 8192^2 pixels, whose prompt the context check would only
                 # refuse after all of them were in memory
-                tokens += num_image_tokens(*image.size, gen.vision)
+                # each image's prompt is its slots plus at least 4 ids (begin, content, end and one for "image WxH"),
+                # so thousands of 1x1 images are bounded by the context too
+                tokens += num_image_tokens(*image.size, gen.vision) + 4
                 if tokens > gen.max_context:
                     raise APIError(400, f"{where}: the images up to this one need {tokens} vision tokens, more than "
                                         f"the context holds ({gen.max_context})", where, "invalid_image")

@@ -133,3 +133,10 @@ def test_images_beyond_the_context_are_refused_before_preprocessing(client, serv
             {"type": "image_url", "image_url": {"url": url}} for _ in range(6)]}])
     assert "messages.0.content.1.image_url" in str(e.value) and "vision tokens" in str(e.value)
     assert len(calls) == 1
+    # thousands of 1x1 images: each costs at least its slot and 4 prompt ids, so 102 fit in 512 and the 103rd is refused
+    calls.clear()
+    tiny = data_url(Image.new("RGB", (1, 1), (5, 6, 7)))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": tiny}} for _ in range(2000)]}])
+    assert "messages.0.content.102.image_url" in str(e.value) and len(calls) == 102
