@@ -101,7 +101,7 @@ def decode_data_url(url: str, where: str = "image_url") -> bytes:
         raise ImageError(f"{where}: url must be a string, got {type(url).__name__}")
     m = _DATA_URL.fullmatch(url.strip())
     if m is None:
-        scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+        scheme = (url.split(":", 1)[0] if ":" in url else url)[:16]  # (a client's string: never echo all of it)
         if scheme.strip().lower() == "data":
             head = url.strip()[5:].split(",", 1)[0]
             raise ImageError(f"{where}: a data URL must be data:image/<type>;base64,<data>; got media type "
