@@ -188,6 +188,20 @@ def test_varlen_attention_is_per_segment_attention():
     assert frame_cu_seqlens([(1, 2, 3), (2, 2, 2)]) == [0, 6, 10, 14]
 
 
+def test_varlen_attention_takes_the_cpu_flash_kernel():
+    """Not the math kernel, which builds each frame's [H, n, n] scores: 206 GB for one 65,536-patch image of the
+    release. torch picks the flash kernel on the CPU only for 4-D inputs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q = torch.randn(10, 2, 8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        varlen_attention(q, q, q, [0, 4, 10]).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert any("flash_attention" in n and "backward" not in n for n in names), sorted(n for n in names if "attn" in n
+                                                                                      or "attention" in n)
+    assert not any("_math" in n for n in names)
+
+
 def test_bad_grids_are_refused():
     tower = MoonViT(small_vision())
     with pytest.raises(ValueError, match="multiple of 2"):
