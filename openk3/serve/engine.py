@@ -570,6 +570,7 @@ class Engine:
         if self.draft_pool is not None:
             req.draft_seq.free(self.draft_pool)
         req.kda = req.draft_kda = None
+        req.images = req.vision = None  # (a request cancelled mid-prefill still held its pixels and vectors)
         req.finish_reason, req.status, req.finished_at = reason, "finished", time.perf_counter()
         self.counters["finished"] += 1
         if not emitted:

@@ -110,3 +110,16 @@ def test_image_slots_are_checked(model):
         engine.submit([1, 2, PAD, 3], SamplingParams(max_tokens=2), images=[im])
     ids = expand_media_pads([1, 2, PAD, 3], PAD, [im.num_tokens])
     assert engine.submit(ids, SamplingParams(max_tokens=2), images=[im]).cache_tokens[2] < 0
+
+
+def test_a_request_cancelled_mid_prefill_drops_its_pixels(model):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=400, prefill_chunk=8))
+    im = image(6)
+    req = engine.submit(prompt_for([im], before=4, after=30), SamplingParams(max_tokens=4, **GREEDY), images=[im])
+    engine.step()
+    engine.step()
+    assert req.vision is not None and not req.finished  # the tower ran, the prompt is not read yet
+    engine.cancel(req.id)
+    while engine.has_work():
+        engine.step()
+    assert req.finish_reason == "cancelled" and req.images is None and req.vision is None
