@@ -14,7 +14,8 @@ Parameter names are the release's without the `vision_tower.` / `mm_projector.` 
 nothing: K3ForConditionalGeneration holds these modules under exactly those names).
 
 [inferred] The spec publishes names and shapes, not every detail: the tower's RMSNorm eps (1e-5, as the text
-model and the projector), that a still image gets no time embedding (only frames of a video chunk do), and
+model and the projector), that `post_norm` is an RMSNorm (one [7168] tensor; the config's `projector_ln_eps` could
+also mean a weight-only LayerNorm), that a still image gets no time embedding (only frames of a video chunk do), and
 the sin-cos formula of the time part (MAE's 1-D form). NOTE: the temporal half of the factorised video
 attention is not implemented: frames of a video attend within themselves and meet only in the temporal pooling.
 """
