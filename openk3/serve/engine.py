@@ -593,6 +593,21 @@ def image_cache_tokens(config, prompt: list[int], images: list) -> list[int]:
     if prompt.count(pad) != sum(want):
         raise ValueError(f"the prompt has {prompt.count(pad)} <|media_pad|> slots; its {len(images)} image(s) need "
                          f"{want} (one per vision vector)")
+    # the sum alone would let [1-slot run, 6-slot run] pass for images of [6, 1] vectors, each image's vectors then
+    # filling parts of two slots: every run of pads must hold whole images
+    k, pos = 0, 0
+    while pos < len(prompt):
+        if prompt[pos] != pad:
+            pos += 1
+            continue
+        run = next((e for e in range(pos, len(prompt)) if prompt[e] != pad), len(prompt)) - pos
+        got = 0
+        while got < run:
+            got, k = got + want[k], k + 1
+        if got != run:
+            raise ValueError(f"a run of {run} <|media_pad|> slots at position {pos} does not hold whole images "
+                             f"(the images need {want} slots, in order)")
+        pos += run
     marks = [-1 - int(im.digest[:15], 16) for im in images for _ in range(im.num_tokens)]
     out, k = [], 0
     for t in prompt:

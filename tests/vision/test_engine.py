@@ -1,6 +1,8 @@
 """Images in the inference engine: outputs equal a full forward, the tower runs once per image per request however the
 prompt is chunked, and the prefix cache never lets two different images share an entry."""
 
+import re
+
 import pytest
 import torch
 from PIL import Image
@@ -123,3 +125,14 @@ def test_a_request_cancelled_mid_prefill_drops_its_pixels(model):
     while engine.has_work():
         engine.step()
     assert req.finish_reason == "cancelled" and req.images is None and req.vision is None
+
+
+def test_each_run_of_slots_holds_whole_images(model):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=100))
+    six, one = image(5), image(6, size=(28, 28))
+    assert (six.num_tokens, one.num_tokens) == (6, 1)
+    swapped = [1, PAD, 2] + [PAD] * 6 + [3]  # right total, wrong order
+    with pytest.raises(ValueError, match=re.escape("run of 1 <|media_pad|> slots at position 1 does not hold")):
+        engine.submit(swapped, SamplingParams(max_tokens=2), images=[six, one])
+    engine.submit([1] + [PAD] * 7 + [3], SamplingParams(max_tokens=2), images=[six, one])  # adjacent images
+    engine.submit([1, PAD, 2] + [PAD] * 6 + [3], SamplingParams(max_tokens=2), images=[one, six])
