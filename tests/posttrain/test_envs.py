@@ -115,13 +115,34 @@ def test_nothing_escapes_the_sandbox(tmp_path):
                 "import os\nos.fork()",
                 f"import os\nos.chdir({str(tmp_path)!r})\nopen('escaped.txt', 'w')",
                 f"try:\n    open({str(outside)!r}, 'w')\nexcept BaseException:\n    pass\ndef f(x):\n    return x + 3",
-                "import socket\nsocket.create_connection(('127.0.0.1', 9))"]
+                "import socket\nsocket.create_connection(('127.0.0.1', 9))",
+                # the hook's own state and helpers cannot be changed from inside
+                f"import __main__\n__main__.root = {str(tmp_path)!r}\nopen({str(outside)!r}, 'w')",
+                f"import os.path\nos.path.realpath = lambda p: os.getcwd()\nopen({str(outside)!r}, 'w')",
+                f"import posixpath\nposixpath._joinrealpath = lambda *a: (os.getcwd(), True)\n"
+                f"import os\nopen({str(outside)!r}, 'w')",
+                f"import builtins\nbuiltins.isinstance = lambda *a: False\nopen({str(outside)!r}, 'w')",
+                "import gc\ngc.get_objects()",
+                # a descriptor of a directory outside would let *at calls write there
+                f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+                "os.open('escaped.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+                "import _posixsubprocess"]
     for code in attempts:
         r = run_python(code, TESTS)
         assert r.status == "blocked" and not r.passed, (code, r)
     assert list(tmp_path.iterdir()) == []
     ok = run_python("open('scratch.txt', 'w').write('x')\ndef f(x):\n    return x + 3", TESTS)
     assert ok.passed  # writing inside its own directory is fine
+
+
+def test_sandbox_bounds_endless_output():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    r = run_python("import sys\nwhile True:\n    sys.stderr.write('x' * 10**6)", TESTS, time_limit=1.0, file_mb=1)
+    assert not r.passed and len(r.stderr) <= 2000
+    # its stderr is a size-limited file, not a pipe the parent holds whole (gigabytes in a second)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 << 10
 
 
 def test_sandbox_rejects_bad_limits():
