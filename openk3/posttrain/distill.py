@@ -37,7 +37,7 @@ from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_
 from openk3.posttrain.rl import clipped_pg_loss, pad_batch
 from openk3.posttrain.rollout import RolloutLimits, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
-from openk3.train.optim import build_optimizer
+from openk3.train.optim import build_optimizer, model_head_dims
 from openk3.train.trainer import write_json, write_text_atomic
 
 COMBOS = [(d, e) for d in DOMAINS for e in EFFORTS]
@@ -123,11 +123,7 @@ def distill(args: DistillArgs) -> dict:
     n_rollouts = len(COMBOS) * args.prompts * args.samples
     engine = make_engine(copy.deepcopy(student).eval(), args.max_total_tokens, max_batch=n_rollouts)
     student.train()
-    c = student.config
-    opt = build_optimizer(student, lr=args.lr, weight_decay=0.0,
-                          head_dims={"kda": c.linear_attn_config.head_dim,
-                                     "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                     "mla_kv": c.qk_nope_head_dim + c.v_head_dim})
+    opt = build_optimizer(student, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(student.config))
     rng = random.Random(args.seed)
     for it in range(args.iterations):
         trajs = []

@@ -40,7 +40,7 @@ from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_
                                      token_logprobs)
 from openk3.posttrain.rollout import RolloutLimits, Trajectory, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
-from openk3.train.optim import build_optimizer
+from openk3.train.optim import build_optimizer, model_head_dims
 from openk3.train.trainer import write_json
 
 # Budget multipliers per effort: a trajectory may reason up to tau x b0(x) tokens. Smaller for lower effort.
@@ -177,11 +177,7 @@ def rl(args: RLArgs) -> dict:
           f"{len(pool)} prompts, tau {tau}; from {init_dir}", flush=True)
 
     policy.train()
-    c = policy.config
-    opt = build_optimizer(policy, lr=args.lr, weight_decay=0.0,
-                          head_dims={"kda": c.linear_attn_config.head_dim,
-                                     "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                     "mla_kv": c.qk_nope_head_dim + c.v_head_dim})
+    opt = build_optimizer(policy, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(policy.config))
     version, carry, waiting, next_group, rows = 0, [], [], 0, []
     for it in range(args.iterations):
         fresh = []

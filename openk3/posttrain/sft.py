@@ -26,7 +26,7 @@ import torch
 from openk3.posttrain.policy import add_fields, load_policy, log_metrics, save_policy, start_run
 from openk3.text.chat import encode_segments, render_xtml
 from openk3.train.data import IGNORE_INDEX, Batch
-from openk3.train.optim import build_optimizer, cosine_schedule
+from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims
 from openk3.train.trainer import RouterBalancer
 
 
@@ -153,11 +153,7 @@ def sft(args: SFTArgs) -> dict:
           f"{args.seq_len} ({n_tokens / (len(rows) * args.seq_len):.0%} filled); from {init_dir}")
     torch.manual_seed(args.seed)
     model.train()
-    c = model.config
-    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
-                          head_dims={"kda": c.linear_attn_config.head_dim,
-                                     "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                     "mla_kv": c.qk_nope_head_dim + c.v_head_dim})
+    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(model.config))
     balancer = RouterBalancer(model, "quantile", 0, 0.0)
     rng, order, pos, losses = random.Random(args.seed), [], 0, []
     for step in range(args.steps):

@@ -65,7 +65,7 @@ from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_tra
 from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
-from openk3.train.optim import build_optimizer, cosine_schedule, qk_clip_mla_
+from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims, qk_clip_mla_
 from openk3.vision import synthetic
 from openk3.vision.model import build_model
 
@@ -865,10 +865,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model.to_empty(device=device)
         load_release_sharded(model, init_dir)  # one whole tensor at a time, never the whole model
         print(f"initialised from {init_dir} (each rank read its own shards)")
-    lac = config.linear_attn_config
-    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
-                          head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
-                                     "mla_kv": config.qk_nope_head_dim + config.v_head_dim})
+    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(config))
     world = 1 if dist_env is None else dist_env.world
     if vision:
         stream = synthetic.ImageTextStream(data.tokenizer, config, args.batch_size, args.seq_len, seed=args.seed)
