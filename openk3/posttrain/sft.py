@@ -144,8 +144,12 @@ def sft(args: SFTArgs) -> dict:
     conversations = load_conversations(args.data)
     model, tokenizer, init_dir = load_policy(args.init_from, args.device)
     run_dir = start_run(args.out, dataclasses.asdict(args))
-    docs = [encode_conversation(tokenizer, c["messages"], tools=c.get("tools"), effort=c.get("effort"))
-            for c in conversations]
+    docs = []
+    for n, c in enumerate(conversations, start=1):
+        try:
+            docs.append(encode_conversation(tokenizer, c["messages"], tools=c.get("tools"), effort=c.get("effort")))
+        except ValueError as e:  # a bad message / effort / tools list: say which conversation of which file
+            raise ValueError(f"--data {args.data}: conversation {n}: {e}") from None
     rows = pack(docs, args.seq_len, tokenizer.pad_id)
     targets = sum(sum(t) for _, t in docs)
     n_tokens = sum(len(i) for i, _ in docs)
