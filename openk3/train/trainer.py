@@ -310,6 +310,19 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 # ------------------------------------------------------------------------------------------ data parallel
 
 
+def run_dir_of(args: TrainArgs, env: DistEnv | None) -> Path:
+    """--out, or a new default name; in a distributed run rank 0's default, sent to every rank.
+    NOTE: the default carries the time in seconds: ranks that started in different seconds would each pick their
+    own directory (and read a tokenizer or write checkpoint shards where rank 0 never looks)."""
+    if args.out is not None:
+        return Path(args.out)
+    if env is None:
+        return Path(default_out(args.config))
+    name = [default_out(args.config) if env.is_main else None]
+    torch.distributed.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
 def barrier(env: DistEnv | None) -> None:
     if env is not None:
         torch.distributed.barrier()
@@ -798,7 +811,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     elif args.dp not in (None, 1) or args.ep != 1:
         n = args.dp if args.dp not in (None, 1) else args.ep
         raise ValueError(f"--dp={args.dp} --ep={args.ep} needs {n} processes: add --nproc {n} or run under torchrun")
-    run_dir = Path(args.out or default_out(args.config))
+    run_dir = run_dir_of(args, dist_env)
     args = dataclasses.replace(args, out=str(run_dir))
     latest = run_dir / CHECKPOINTS / LATEST
     if resume and not latest.is_file():
