@@ -32,8 +32,8 @@ from torch import Tensor
 
 from openk3.model.checkpoint import find_checkpoint
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_engine, save_policy, start_run,
-                                     token_logprobs)
+from openk3.posttrain.policy import (add_fields, check_fields, load_policy, log_metrics, make_engine, save_policy,
+                                     start_run, token_logprobs)
 from openk3.posttrain.rl import clipped_pg_loss, pad_batch
 from openk3.posttrain.rollout import RolloutLimits, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
@@ -100,11 +100,8 @@ def evaluate(engine, tokenizer, tasks_by_domain: dict, effort: str, domain: str,
 
 
 def distill(args: DistillArgs) -> dict:
-    for name in ("iterations", "prompts", "samples", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be a positive integer")
-    if args.reward_clip <= 0 or args.lr <= 0:
-        raise ValueError(f"--reward-clip={args.reward_clip}, --lr={args.lr}: both must be > 0")
+    check_fields(args, counts=("iterations", "prompts", "samples", "threads"),
+                 positive=("reward_clip", "lr", "clip"), non_negative=("grad_clip", "eval_prompts"))
     t0 = time.time()
     torch.set_num_threads(args.threads)
     dirs = teacher_dirs(args.teachers)

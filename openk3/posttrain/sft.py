@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.posttrain.policy import add_fields, load_policy, log_metrics, save_policy, start_run
+from openk3.posttrain.policy import add_fields, check_fields, load_policy, log_metrics, save_policy, start_run
 from openk3.text.chat import encode_segments, render_xtml
 from openk3.train.data import IGNORE_INDEX, Batch
 from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims
@@ -134,11 +134,12 @@ class SFTArgs:
 
 def sft(args: SFTArgs) -> dict:
     """Run SFT; returns {"losses": [...], "wall_s", "run_dir"}."""
-    for name in ("steps", "batch_size", "seq_len", "log_every", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be a positive integer")
-    if args.lr <= 0:
-        raise ValueError(f"--lr={args.lr}: must be > 0")
+    check_fields(args, counts=("steps", "batch_size", "seq_len", "log_every", "threads"), positive=("lr",),
+                 non_negative=("weight_decay", "grad_clip"))
+    if not 0 <= args.warmup < 1:
+        raise ValueError(f"--warmup={args.warmup}: a fraction of the steps in [0, 1)")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio={args.min_lr_ratio}: must be in [0, 1]")
     t0 = time.time()
     torch.set_num_threads(args.threads)
     conversations = load_conversations(args.data)
