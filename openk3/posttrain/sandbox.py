@@ -18,6 +18,8 @@ How it is confined (Linux; the parent process is never touched):
     frame introspection that would reach the hook; it runs on private snapshots of builtins, os and posixpath, so
     patching those (or the runner's globals) from the solution does not change what it checks;
   - stderr goes to a file bounded by RLIMIT_FSIZE (a pipe would make the parent buffer endless output).
+  - a pass is exit status 0 AND a per-run nonce the runner writes after the tests, which the solution cannot
+    read (so `os._exit(0)` is no pass); the tests run with the builtins as they were before the solution.
 
 NOTE: this is process-level confinement for model-written code in RL, not a security boundary against code
 written to break out (reads are allowed everywhere, which imports need; Python-level hooks can be evaded by
@@ -28,15 +30,17 @@ from __future__ import annotations
 
 import os
 import resource
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
-# The program the child runs (`python -c RUNNER DIR`): install the audit hook, then run solution.py and tests.py
-# in one namespace. Exit codes: 0 passed, 1 a test failed or the code raised, 3 MemoryError, 4 refused by the hook
-# (which ends the process at once, so a refused action never continues).
+# The program the child runs (`python -c RUNNER DIR`, the parent's nonce on stdin): install the audit hook, run
+# solution.py, then tests.py with the solution's names (but genuine builtins). Exit codes: 0 with the nonce on
+# stdout passed, 1 a test failed or the code raised, 3 MemoryError, 4 refused by the hook (which ends the process
+# at once, so a refused action never continues).
 RUNNER = r"""
 import builtins, os, posixpath, stat, sys, types
 
@@ -100,6 +104,9 @@ def hook(event, args):
             isinstance(flags, int) and flags & WRITE_FLAGS)
         if writing and not inside(path):
             refuse(f"sandbox: writing {path!r} outside the sandbox directory")
+        if isinstance(path, (str, bytes)) and realpath(join(root, fsdecode(path))).startswith("/proc/") and (
+                realpath(join(root, fsdecode(path))).endswith("/mem")):
+            refuse(f"sandbox: opening {path!r} (process memory) is not allowed")
         if mode is None and outside_dir(path):  # os.open: its descriptor would serve as a dir_fd outside
             refuse(f"sandbox: os.open of the directory {path!r} outside the sandbox directory")
     elif event in PATH_EVENTS:
@@ -109,29 +116,46 @@ def hook(event, args):
     elif event == "import":
         if isinstance(args[0], str) and args[0].partition(".")[0] in NO_IMPORT:
             refuse(f"sandbox: importing {args[0]} is not allowed")
+    elif event == "object.__getattr__":
+        if len(args) > 1 and args[1] in ("tb_frame", "gi_frame", "cr_frame", "ag_frame"):
+            refuse(f"sandbox: reading a frame ({args[1]}) is not allowed")
     elif event == "object.__setattr__":
         if len(args) > 1 and args[1] == "__code__":
             refuse("sandbox: replacing a function's code is not allowed")
     elif event.startswith(BLOCKED):
         refuse(f"sandbox: {event} is not allowed")
 ''', _H)
-with open(os.path.join(sys.argv[1], "solution.py")) as f:
-    solution = f.read()
-with open(os.path.join(sys.argv[1], "tests.py")) as f:
-    tests = f.read()
+# NOTE: the solution must not be able to fake a pass. Exit status 0 alone is not one (`os._exit(0)` in the
+# solution would score every task): the runner ends a pass by writing the parent's nonce (read from stdin, kept
+# only in `done`'s closure and this function's frame) to stdout. The tests run in a namespace of their own, with
+# the builtins as they were before the solution ran and none of the solution's names that shadow a builtin.
+_H["make_done"] = eval("lambda nonce: (lambda: write(1, nonce))", _H)
+def _run(root, done, B, exit_, stdout_flush):
+    with B["open"](root + "/solution.py") as f:
+        solution = f.read()
+    with B["open"](root + "/tests.py") as f:
+        tests = f.read()
+    ns = {"__name__": "solution"}
+    try:
+        B["exec"](B["compile"](solution, "solution.py", "exec"), ns)
+        checks = {k: v for k, v in ns.items() if k not in B}
+        checks["__builtins__"] = dict(B)
+        B["exec"](B["compile"](tests, "tests.py", "exec"), checks)
+    except MemoryError:
+        exit_(3)
+    except BaseException as e:
+        B["print"](f"{type(e).__name__}: {e}", file=sys.stderr)
+        exit_(1)
+    stdout_flush()
+    done()
+    exit_(0)
+
+_done = _H.pop("make_done")(os.read(0, 64))
+os.close(0)
 sys.addaudithook(_H["hook"])
-del _H, _P, _B, _snapshot
-ns = {"__name__": "solution"}
-try:
-    exec(compile(solution, "solution.py", "exec"), ns)
-    exec(compile(tests, "tests.py", "exec"), ns)
-except MemoryError:
-    os._exit(3)
-except BaseException as e:
-    print(f"{type(e).__name__}: {e}", file=sys.stderr)
-    os._exit(1)
-sys.stdout.flush()
-os._exit(0)
+_args = (os.path.realpath(sys.argv[1]), _done, dict(_B), os._exit, sys.stdout.flush)
+del _H, _P, _B, _snapshot, _done
+_run(*_args)
 """
 
 STATUSES = ("passed", "failed", "timeout", "memory", "blocked", "error")
@@ -176,11 +200,13 @@ def run_python(code: str, tests: str, *, time_limit: float = 2.0, memory_mb: int
             f.write(tests)
         # NOTE: stderr goes to a file outside the directory, not a pipe: the parent would buffer all of a solution
         # that prints without end (gigabytes in a second); a file is bounded by RLIMIT_FSIZE (SIGXFSZ past it).
-        with tempfile.TemporaryFile() as err:
+        nonce = secrets.token_hex(16).encode()
+        with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", RUNNER, root], cwd=root,
-                                    env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=err,
+                                    env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                     preexec_fn=_limits(time_limit, memory_mb, file_mb))
+            proc.stdin.write(nonce)
+            proc.stdin.close()
             try:
                 proc.wait(timeout=time_limit + 1.0)
                 timed_out = False
@@ -190,11 +216,15 @@ def run_python(code: str, tests: str, *, time_limit: float = 2.0, memory_mb: int
                 timed_out = True
             err.seek(max(0, err.seek(0, os.SEEK_END) - 2000))
             stderr = err.read().decode(errors="replace")
+            out.seek(max(0, out.seek(0, os.SEEK_END) - len(nonce)))
+            signed = out.read() == nonce
         if timed_out:
             return SandboxResult(False, "timeout", None, stderr, time.perf_counter() - t0)
         rc = proc.returncode
-        if rc == 0:
+        if rc == 0 and signed:
             status = "passed"
+        elif rc == 0:  # exited 0 without the runner's nonce: the solution ended the process before the tests
+            status = "failed"
         elif rc == 1:
             status = "failed"
         elif rc == 3:
@@ -207,6 +237,6 @@ def run_python(code: str, tests: str, *, time_limit: float = 2.0, memory_mb: int
             status = "blocked"
         else:
             status = "error"  # e.g. killed by the address-space limit inside the interpreter
-        return SandboxResult(rc == 0, status, rc, stderr, time.perf_counter() - t0)
+        return SandboxResult(status == "passed", status, rc, stderr, time.perf_counter() - t0)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -135,6 +135,21 @@ def test_nothing_escapes_the_sandbox(tmp_path):
     assert ok.passed  # writing inside its own directory is fine
 
 
+def test_a_solution_cannot_fake_a_pass():
+    tests = coding_tests({"op": "plus", "k": 3})
+    for cheat in ("import os\nos._exit(0)",  # exit status 0 before the tests run
+                  "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()",
+                  "def f(x):\n    return 0\ntype = lambda v: int",  # shadowing the builtins the tests use
+                  "import builtins\nbuiltins.exec = lambda *a: None",
+                  "import sys\nsys.stdout.write('0' * 32)\nsys.stdout.flush()\nimport os\nos._exit(0)"):
+        r = run_python(cheat, tests)
+        assert not r.passed and r.status == "failed", (cheat, r)
+    for peek in ("try:\n    1 / 0\nexcept Exception as e:\n    e.__traceback__.tb_frame",
+                 "open('/proc/self/mem', 'rb')"):
+        assert run_python(peek, tests).status == "blocked", peek
+    assert run_python("def f(x):\n    return x + 3", tests).passed
+
+
 def test_sandbox_bounds_endless_output():
     import resource
 
@@ -153,4 +168,4 @@ def test_sandbox_rejects_bad_limits():
 
 
 def test_coding_tests_follow_the_spec():
-    assert coding_tests({"op": "times", "k": 3}).splitlines()[1] == "assert f(1) == 3"
+    assert coding_tests({"op": "times", "k": 3}).splitlines()[1] == "assert type(f(1)) is int and f(1) == 3"
