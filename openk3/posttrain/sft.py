@@ -151,6 +151,8 @@ def sft(args: SFTArgs) -> dict:
             docs.append(encode_conversation(tokenizer, c["messages"], tools=c.get("tools"), effort=c.get("effort")))
         except ValueError as e:  # a bad message / effort / tools list: say which conversation of which file
             raise ValueError(f"--data {args.data}: conversation {n}: {e}") from None
+        if not any(docs[-1][1]):  # NOTE: a batch of such rows has no target token: a NaN loss
+            raise ValueError(f"--data {args.data}: conversation {n} has no assistant message: nothing to learn")
     rows = pack(docs, args.seq_len, tokenizer.pad_id)
     targets = sum(sum(t) for _, t in docs)
     n_tokens = sum(len(i) for i, _ in docs)

@@ -100,4 +100,8 @@ def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a bad message names its conversation and file, no traceback
         main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "y")])
     assert f"--data {bad}: conversation 2: message 0: unknown role 'robot'" in capsys.readouterr().err
+    bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
+    with pytest.raises(SystemExit):
+        main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "z")])
+    assert "conversation 1 has no assistant message" in capsys.readouterr().err
     assert torch.isfinite(torch.tensor(rows[-1]["loss"]))
