@@ -15,7 +15,7 @@ How it is confined (Linux; the parent process is never touched):
     outside the directory, every path-changing call (remove, rename, mkdir, chmod, ...) outside it, changing
     directory, opening a directory outside (a dir_fd there would let *at calls write outside), starting processes
     (subprocess, os.system, exec*, fork, posix_spawn, importing _posixsubprocess), sockets, ctypes, and the gc /
-    frame introspection that would reach the hook; it runs on private snapshots of builtins, os and posixpath, so
+    introspection that would reach the hook object; it runs on private snapshots of builtins, os and posixpath, so
     patching those (or the runner's globals) from the solution does not change what it checks;
   - stderr goes to a file bounded by RLIMIT_FSIZE (a pipe would make the parent buffer endless output).
   - a pass is exit status 0 AND a per-run nonce the runner writes after the tests, which the solution cannot
@@ -47,7 +47,8 @@ import builtins, os, posixpath, stat, sys, types
 # NOTE: the hook must not depend on anything the solution can change. Module globals, `builtins` and the os /
 # posixpath modules are all mutable (a solution could set `__main__.root = "/"` or patch `os.path.realpath`), so
 # the hook and the realpath it calls run on private snapshots of them, reachable only through the hook object
-# (and gc / frame introspection, which the hook refuses).
+# (and gc introspection, which the hook refuses). Frames stay readable: `import re` (enum) and namedtuple need
+# sys._getframe, and no hook state is in a frame the solution can reach.
 def _snapshot(mod, extra):
     g = dict(mod.__dict__)
     g.update(extra)
@@ -69,11 +70,11 @@ _H = {"__builtins__": _B, "realpath": _P["realpath"], "join": _P["join"], "fsdec
           "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate", "os.chmod",
           "os.chown", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.copytree", "shutil.move",
           "shutil.chown", "os.chflags", "os.setxattr", "os.removexattr", "os.mkfifo", "os.mknod"}),
-      # the last five: gc and frames reach the hook object and its private state
+      # "gc.": gc.get_objects / get_referrers reach the hook object and its private state
       "BLOCKED": ("subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
                   "pty.", "socket.", "ctypes.", "os.chdir", "os.fchdir", "os.chroot", "os.kill", "os.killpg",
                   "os.setuid", "os.setgid", "_posixsubprocess", "mmap.", "os.add_dll_directory", "sys.addaudithook",
-                  "gc.", "sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile"),
+                  "gc."),
       # these start processes or load native code through calls that raise no audit event of their own
       "NO_IMPORT": frozenset({"_posixsubprocess", "_ctypes", "ctypes", "subprocess", "multiprocessing"})}
 exec('''
@@ -116,9 +117,6 @@ def hook(event, args):
     elif event == "import":
         if isinstance(args[0], str) and args[0].partition(".")[0] in NO_IMPORT:
             refuse(f"sandbox: importing {args[0]} is not allowed")
-    elif event == "object.__getattr__":
-        if len(args) > 1 and args[1] in ("tb_frame", "gi_frame", "cr_frame", "ag_frame"):
-            refuse(f"sandbox: reading a frame ({args[1]}) is not allowed")
     elif event == "object.__setattr__":
         if len(args) > 1 and args[1] == "__code__":
             refuse("sandbox: replacing a function's code is not allowed")
@@ -127,7 +125,9 @@ def hook(event, args):
 ''', _H)
 # NOTE: the solution must not be able to fake a pass. Exit status 0 alone is not one (`os._exit(0)` in the
 # solution would score every task): the runner ends a pass by writing the parent's nonce (read from stdin, kept
-# only in `done`'s closure and this function's frame) to stdout. The tests run in a namespace of their own, with
+# only in `done`'s closure and this function's frame) to stdout. NOTE: not proof against code written to cheat:
+# a solution that walks the frames up to `_run` (sys._getframe) can call `done` itself; it stops the simple
+# cheats (exiting 0, an always-equal result, shadowed builtins). The tests run in a namespace of their own, with
 # the builtins as they were before the solution ran and none of the solution's names that shadow a builtin.
 _H["make_done"] = eval("lambda nonce: (lambda: write(1, nonce))", _H)
 def _run(root, done, B, exit_, stdout_flush):

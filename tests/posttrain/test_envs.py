@@ -144,10 +144,11 @@ def test_a_solution_cannot_fake_a_pass():
                   "import sys\nsys.stdout.write('0' * 32)\nsys.stdout.flush()\nimport os\nos._exit(0)"):
         r = run_python(cheat, tests)
         assert not r.passed and r.status == "failed", (cheat, r)
-    for peek in ("try:\n    1 / 0\nexcept Exception as e:\n    e.__traceback__.tb_frame",
-                 "open('/proc/self/mem', 'rb')"):
-        assert run_python(peek, tests).status == "blocked", peek
-    assert run_python("def f(x):\n    return x + 3", tests).passed
+    assert run_python("open('/proc/self/mem', 'rb')", tests).status == "blocked"  # the nonce is in there
+    # ordinary code still runs: re (enum) and namedtuple read frames, dataclasses builds classes
+    ok = ("import re, json, math, dataclasses\nfrom collections import namedtuple\nP = namedtuple('P', 'a')\n"
+          "@dataclasses.dataclass\nclass A:\n    k: int = 3\ndef f(x):\n    return x + A().k")
+    assert run_python(ok, tests).passed
 
 
 def test_sandbox_bounds_endless_output():
