@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -64,7 +66,14 @@ def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int 
             texts = [segments_text(render_xtml(r["messages"], tools=r["tools"], effort=r["effort"],
                                                add_generation_prompt=False)) for r in rows]
             tokenizer = train_bpe(texts, vocab_size)
-            init_checkpoint(get_config(config).replace(quantization_config=None), base, seed=seed, tokenizer=tokenizer)
+            # NOTE: built beside and renamed: init_checkpoint writes config.json (what this stage's skip test reads)
+            # before the tokenizer, so a demo killed between the two would go on with a base lacking its tokenizer
+            tmp = root / ".base.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            init_checkpoint(get_config(config).replace(quantization_config=None), tmp, seed=seed, tokenizer=tokenizer)
+            if base.exists():
+                shutil.rmtree(base)
+            os.rename(tmp, base)
         stage("data+init", prepare)
     if not _done(root / "sft"):
         stage("sft", lambda: sft(SFTArgs(init_from=str(base), data=str(root / "sft.jsonl"), out=str(root / "sft"),

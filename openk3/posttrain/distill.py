@@ -32,12 +32,12 @@ from torch import Tensor
 
 from openk3.model.checkpoint import find_checkpoint
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_engine, save_policy, start_run,
-                                     token_logprobs)
+from openk3.posttrain.policy import (add_fields, check_fields, load_policy, log_metrics, make_engine, save_policy,
+                                     start_run, token_logprobs)
 from openk3.posttrain.rl import clipped_pg_loss, pad_batch
 from openk3.posttrain.rollout import RolloutLimits, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
-from openk3.train.optim import build_optimizer
+from openk3.train.optim import build_optimizer, model_head_dims
 from openk3.train.trainer import write_json, write_text_atomic
 
 COMBOS = [(d, e) for d in DOMAINS for e in EFFORTS]
@@ -100,11 +100,8 @@ def evaluate(engine, tokenizer, tasks_by_domain: dict, effort: str, domain: str,
 
 
 def distill(args: DistillArgs) -> dict:
-    for name in ("iterations", "prompts", "samples", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be a positive integer")
-    if args.reward_clip <= 0 or args.lr <= 0:
-        raise ValueError(f"--reward-clip={args.reward_clip}, --lr={args.lr}: both must be > 0")
+    check_fields(args, counts=("iterations", "prompts", "samples", "threads"),
+                 positive=("reward_clip", "lr", "clip"), non_negative=("grad_clip", "eval_prompts"))
     t0 = time.time()
     torch.set_num_threads(args.threads)
     dirs = teacher_dirs(args.teachers)
@@ -123,11 +120,7 @@ def distill(args: DistillArgs) -> dict:
     n_rollouts = len(COMBOS) * args.prompts * args.samples
     engine = make_engine(copy.deepcopy(student).eval(), args.max_total_tokens, max_batch=n_rollouts)
     student.train()
-    c = student.config
-    opt = build_optimizer(student, lr=args.lr, weight_decay=0.0,
-                          head_dims={"kda": c.linear_attn_config.head_dim,
-                                     "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                     "mla_kv": c.qk_nope_head_dim + c.v_head_dim})
+    opt = build_optimizer(student, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(student.config))
     rng = random.Random(args.seed)
     for it in range(args.iterations):
         trajs = []

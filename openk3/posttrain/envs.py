@@ -167,9 +167,10 @@ class AgentEnv(Env):
 
 
 def coding_tests(spec: dict) -> str:
-    """The hidden tests of a coding task (asserts on f)."""
+    """The hidden tests of a coding task (asserts on f). NOTE: the exact type first: a result whose __eq__ always
+    says True would otherwise pass every test (the sandbox runs the tests with the genuine builtins)."""
     fn = OPS[spec["op"]]
-    return "".join(f"assert f({x}) == {fn(x, spec['k'])}\n" for x in CODING_TESTS)
+    return "".join(f"assert type(f({x})) is int and f({x}) == {fn(x, spec['k'])}\n" for x in CODING_TESTS)
 
 
 def extract_code(text: str) -> str:

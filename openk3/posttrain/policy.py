@@ -90,6 +90,25 @@ def token_logprobs(model: K3ForCausalLM, ids_BT: Tensor) -> Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids_BT[:, 1:, None])[..., 0]
 
 
+def check_fields(args, *, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (),
+                 non_negative: tuple[str, ...] = ()) -> None:
+    """A ValueError naming the flag of the first field of `args` that is not a positive integer (counts), not > 0
+    (positive) or not >= 0 (non_negative). NOTE: a negative --grad-clip must be refused, not passed on:
+    clip_grad_norm_ with max_norm < 0 multiplies the gradient by a negative factor (ascent)."""
+    def flag(name):
+        return f"--{name.replace('_', '-')}={getattr(args, name)}"
+
+    for name in counts:
+        if getattr(args, name) < 1:
+            raise ValueError(f"{flag(name)}: must be a positive integer")
+    for name in positive:
+        if not getattr(args, name) > 0:  # also refuses NaN
+            raise ValueError(f"{flag(name)}: must be > 0")
+    for name in non_negative:
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"{flag(name)}: must be >= 0 (0 = off)")
+
+
 def add_fields(p: argparse.ArgumentParser, defaults, exclude: tuple[str, ...]) -> None:
     """One flag per dataclass field (ints and floats), named as the field with dashes, default in [brackets]."""
     for f in dataclasses.fields(defaults):

@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import (add_fields, load_policy, log_metrics, make_engine, save_policy, start_run,
-                                     token_logprobs)
+from openk3.posttrain.policy import (add_fields, check_fields, load_policy, log_metrics, make_engine, save_policy,
+                                     start_run, token_logprobs)
 from openk3.posttrain.rollout import RolloutLimits, Trajectory, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
-from openk3.train.optim import build_optimizer
+from openk3.train.optim import build_optimizer, model_head_dims
 from openk3.train.trainer import write_json
 
 # Budget multipliers per effort: a trajectory may reason up to tau x b0(x) tokens. Smaller for lower effort.
@@ -133,17 +133,14 @@ def check_rl_args(a: RLArgs) -> None:
         raise ValueError(f"--domain={a.domain!r}: expected one of {list(DOMAINS)}")
     if a.effort not in EFFORTS:
         raise ValueError(f"--effort={a.effort!r}: expected one of {list(EFFORTS)}")
-    for name in ("iterations", "groups", "group_size", "pool", "b0_samples", "threads"):
-        if getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be a positive integer")
+    check_fields(a, counts=("iterations", "groups", "group_size", "pool", "b0_samples", "threads"),
+                 positive=("lr", "clip"), non_negative=("grad_clip",))
     if a.group_size < 2:
         raise ValueError(f"--group-size={a.group_size}: group-relative advantages need at least 2 samples")
     if not 0 < a.finish_fraction <= 1:
         raise ValueError(f"--finish-fraction={a.finish_fraction}: must be in (0, 1]")
     if not (0 < a.tau_low < a.tau_high < a.tau_max):
         raise ValueError(f"--tau-low/high/max = {a.tau_low}/{a.tau_high}/{a.tau_max}: need 0 < low < high < max")
-    if a.lr <= 0 or a.clip <= 0:
-        raise ValueError(f"--lr={a.lr}, --clip={a.clip}: both must be > 0")
 
 
 def estimate_b0(engine, tokenizer, tasks, samples: int, limits: RolloutLimits, seed: int) -> dict[str, float]:
@@ -177,11 +174,7 @@ def rl(args: RLArgs) -> dict:
           f"{len(pool)} prompts, tau {tau}; from {init_dir}", flush=True)
 
     policy.train()
-    c = policy.config
-    opt = build_optimizer(policy, lr=args.lr, weight_decay=0.0,
-                          head_dims={"kda": c.linear_attn_config.head_dim,
-                                     "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                     "mla_kv": c.qk_nope_head_dim + c.v_head_dim})
+    opt = build_optimizer(policy, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(policy.config))
     version, carry, waiting, next_group, rows = 0, [], [], 0, []
     for it in range(args.iterations):
         fresh = []

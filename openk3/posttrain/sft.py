@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from openk3.posttrain.policy import add_fields, load_policy, log_metrics, save_policy, start_run
+from openk3.posttrain.policy import add_fields, check_fields, load_policy, log_metrics, save_policy, start_run
 from openk3.text.chat import encode_segments, render_xtml
 from openk3.train.data import IGNORE_INDEX, Batch
-from openk3.train.optim import build_optimizer, cosine_schedule
+from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims
 from openk3.train.trainer import RouterBalancer
 
 
@@ -134,18 +134,25 @@ class SFTArgs:
 
 def sft(args: SFTArgs) -> dict:
     """Run SFT; returns {"losses": [...], "wall_s", "run_dir"}."""
-    for name in ("steps", "batch_size", "seq_len", "log_every", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be a positive integer")
-    if args.lr <= 0:
-        raise ValueError(f"--lr={args.lr}: must be > 0")
+    check_fields(args, counts=("steps", "batch_size", "seq_len", "log_every", "threads"), positive=("lr",),
+                 non_negative=("weight_decay", "grad_clip"))
+    if not 0 <= args.warmup < 1:
+        raise ValueError(f"--warmup={args.warmup}: a fraction of the steps in [0, 1)")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio={args.min_lr_ratio}: must be in [0, 1]")
     t0 = time.time()
     torch.set_num_threads(args.threads)
     conversations = load_conversations(args.data)
     model, tokenizer, init_dir = load_policy(args.init_from, args.device)
     run_dir = start_run(args.out, dataclasses.asdict(args))
-    docs = [encode_conversation(tokenizer, c["messages"], tools=c.get("tools"), effort=c.get("effort"))
-            for c in conversations]
+    docs = []
+    for n, c in enumerate(conversations, start=1):
+        try:
+            docs.append(encode_conversation(tokenizer, c["messages"], tools=c.get("tools"), effort=c.get("effort")))
+        except ValueError as e:  # a bad message / effort / tools list: say which conversation of which file
+            raise ValueError(f"--data {args.data}: conversation {n}: {e}") from None
+        if not any(docs[-1][1]):  # NOTE: a batch of such rows has no target token: a NaN loss
+            raise ValueError(f"--data {args.data}: conversation {n} has no assistant message: nothing to learn")
     rows = pack(docs, args.seq_len, tokenizer.pad_id)
     targets = sum(sum(t) for _, t in docs)
     n_tokens = sum(len(i) for i, _ in docs)
@@ -153,11 +160,7 @@ def sft(args: SFTArgs) -> dict:
           f"{args.seq_len} ({n_tokens / (len(rows) * args.seq_len):.0%} filled); from {init_dir}")
     torch.manual_seed(args.seed)
     model.train()
-    c = model.config
-    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
-                          head_dims={"kda": c.linear_attn_config.head_dim,
-                                     "mla_q": c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                     "mla_kv": c.qk_nope_head_dim + c.v_head_dim})
+    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(model.config))
     balancer = RouterBalancer(model, "quantile", 0, 0.0)
     rng, order, pos, losses = random.Random(args.seed), [], 0, []
     for step in range(args.steps):

@@ -302,6 +302,12 @@ class MuonAdamW:
             opt.load_state_dict(state_dict[name])
 
 
+def model_head_dims(config) -> dict[str, int]:
+    """`build_optimizer`'s head_dims for a K3Config: rows per head of KDA, MLA's q and MLA's kv projections."""
+    return {"kda": config.linear_attn_config.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
+            "mla_kv": config.qk_nope_head_dim + config.v_head_dim}
+
+
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     muon_momentum: float = 0.95, per_head: bool = True,

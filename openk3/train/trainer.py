@@ -65,7 +65,7 @@ from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_tra
 from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
-from openk3.train.optim import build_optimizer, cosine_schedule, qk_clip_mla_
+from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims, qk_clip_mla_
 from openk3.vision import synthetic
 from openk3.vision.model import build_model
 
@@ -308,6 +308,19 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ data parallel
+
+
+def run_dir_of(args: TrainArgs, env: DistEnv | None) -> Path:
+    """--out, or a new default name; in a distributed run rank 0's default, sent to every rank.
+    NOTE: the default carries the time in seconds: ranks that started in different seconds would each pick their
+    own directory (and read a tokenizer or write checkpoint shards where rank 0 never looks)."""
+    if args.out is not None:
+        return Path(args.out)
+    if env is None:
+        return Path(default_out(args.config))
+    name = [default_out(args.config) if env.is_main else None]
+    torch.distributed.broadcast_object_list(name, src=0)
+    return Path(name[0])
 
 
 def barrier(env: DistEnv | None) -> None:
@@ -800,7 +813,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     elif args.dp not in (None, 1) or args.ep != 1:
         n = args.dp if args.dp not in (None, 1) else args.ep
         raise ValueError(f"--dp={args.dp} --ep={args.ep} needs {n} processes: add --nproc {n} or run under torchrun")
-    run_dir = Path(args.out or default_out(args.config))
+    run_dir = run_dir_of(args, dist_env)
     args = dataclasses.replace(args, out=str(run_dir))
     latest = run_dir / CHECKPOINTS / LATEST
     if resume and not latest.is_file():
@@ -867,10 +880,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model.to_empty(device=device)
         load_release_sharded(model, init_dir)  # one whole tensor at a time, never the whole model
         print(f"initialised from {init_dir} (each rank read its own shards)")
-    lac = config.linear_attn_config
-    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
-                          head_dims={"kda": lac.head_dim, "mla_q": config.qk_nope_head_dim + config.qk_rope_head_dim,
-                                     "mla_kv": config.qk_nope_head_dim + config.v_head_dim})
+    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(config))
     world = 1 if dist_env is None else dist_env.world
     if vision:
         stream = synthetic.ImageTextStream(data.tokenizer, config, args.batch_size, args.seq_len, seed=args.seed)

@@ -159,3 +159,25 @@ def test_dp_flag_errors_name_the_value(workdir, capsys):
         with pytest.raises(SystemExit):  # checked before any process starts
             cli.main(argv(settings(workdir, "bad")) + flags)
         assert message in capsys.readouterr().err
+
+
+def _run_dir_worker(rank: int, world: int, out_file: str) -> None:
+    import torch.distributed as dist
+
+    from openk3.parallel.mesh import init_distributed
+    from openk3.train import trainer
+
+    env = init_distributed("cpu")
+    trainer.default_out = lambda config: f"runs/{config}-started-in-second-{rank}"  # ranks a second apart
+    got = trainer.run_dir_of(TrainArgs(config="tiny"), env)
+    names = [None] * world
+    dist.all_gather_object(names, str(got))
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(names))
+
+
+def test_ranks_without_out_share_rank_0s_default_run_dir(tmp_path):
+    from tests.parallel.dist import spawn
+
+    spawn(2, _run_dir_worker, str(tmp_path / "names.json"), timeout_s=120)
+    assert json.loads((tmp_path / "names.json").read_text()) == ["runs/tiny-started-in-second-0"] * 2

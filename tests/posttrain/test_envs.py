@@ -115,13 +115,50 @@ def test_nothing_escapes_the_sandbox(tmp_path):
                 "import os\nos.fork()",
                 f"import os\nos.chdir({str(tmp_path)!r})\nopen('escaped.txt', 'w')",
                 f"try:\n    open({str(outside)!r}, 'w')\nexcept BaseException:\n    pass\ndef f(x):\n    return x + 3",
-                "import socket\nsocket.create_connection(('127.0.0.1', 9))"]
+                "import socket\nsocket.create_connection(('127.0.0.1', 9))",
+                # the hook's own state and helpers cannot be changed from inside
+                f"import __main__\n__main__.root = {str(tmp_path)!r}\nopen({str(outside)!r}, 'w')",
+                f"import os.path\nos.path.realpath = lambda p: os.getcwd()\nopen({str(outside)!r}, 'w')",
+                f"import posixpath\nposixpath._joinrealpath = lambda *a: (os.getcwd(), True)\n"
+                f"import os\nopen({str(outside)!r}, 'w')",
+                f"import builtins\nbuiltins.isinstance = lambda *a: False\nopen({str(outside)!r}, 'w')",
+                "import gc\ngc.get_objects()",
+                # a descriptor of a directory outside would let *at calls write there
+                f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+                "os.open('escaped.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+                "import _posixsubprocess"]
     for code in attempts:
         r = run_python(code, TESTS)
         assert r.status == "blocked" and not r.passed, (code, r)
     assert list(tmp_path.iterdir()) == []
     ok = run_python("open('scratch.txt', 'w').write('x')\ndef f(x):\n    return x + 3", TESTS)
     assert ok.passed  # writing inside its own directory is fine
+
+
+def test_a_solution_cannot_fake_a_pass():
+    tests = coding_tests({"op": "plus", "k": 3})
+    for cheat in ("import os\nos._exit(0)",  # exit status 0 before the tests run
+                  "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()",
+                  "def f(x):\n    return 0\ntype = lambda v: int",  # shadowing the builtins the tests use
+                  "import builtins\nbuiltins.exec = lambda *a: None",
+                  "import sys\nsys.stdout.write('0' * 32)\nsys.stdout.flush()\nimport os\nos._exit(0)"):
+        r = run_python(cheat, tests)
+        assert not r.passed and r.status == "failed", (cheat, r)
+    assert run_python("open('/proc/self/mem', 'rb')", tests).status == "blocked"  # the nonce is in there
+    # ordinary code still runs: re (enum) and namedtuple read frames, dataclasses builds classes
+    ok = ("import re, json, math, dataclasses\nfrom collections import namedtuple\nP = namedtuple('P', 'a')\n"
+          "@dataclasses.dataclass\nclass A:\n    k: int = 3\ndef f(x):\n    return x + A().k")
+    assert run_python(ok, tests).passed
+
+
+def test_sandbox_bounds_endless_output():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    r = run_python("import sys\nwhile True:\n    sys.stderr.write('x' * 10**6)", TESTS, time_limit=1.0, file_mb=1)
+    assert not r.passed and len(r.stderr) <= 2000
+    # its stderr is a size-limited file, not a pipe the parent holds whole (gigabytes in a second)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 << 10
 
 
 def test_sandbox_rejects_bad_limits():
@@ -132,4 +169,4 @@ def test_sandbox_rejects_bad_limits():
 
 
 def test_coding_tests_follow_the_spec():
-    assert coding_tests({"op": "times", "k": 3}).splitlines()[1] == "assert f(1) == 3"
+    assert coding_tests({"op": "times", "k": 3}).splitlines()[1] == "assert type(f(1)) is int and f(1) == 3"

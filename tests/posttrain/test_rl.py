@@ -197,3 +197,21 @@ def test_partial_rollout_resumes_across_tool_turns_from_snapshots(tokenizer):
     assert part.tokens == whole.tokens and part.written == whole.written and part.logprobs == whole.logprobs
     assert part.reward == 1.0 and part.turns == 3 and part.reasoning_tokens == whole.reasoning_tokens
     assert len(set(v for v, w in zip(part.versions, part.written) if w)) == calls  # a version per call
+
+
+def test_bad_settings_name_the_flag():
+    from openk3.posttrain.distill import DistillArgs, distill
+    from openk3.posttrain.rl import check_rl_args
+    from openk3.posttrain.sft import SFTArgs, sft
+
+    # a negative --grad-clip would reach clip_grad_norm_, which then flips the gradient's sign
+    for bad, message in ((dict(grad_clip=-1.0), "--grad-clip=-1.0: must be >= 0"),
+                         (dict(clip=float("nan")), "--clip=nan: must be > 0"), (dict(pool=0), "--pool=0")):
+        with pytest.raises(ValueError, match=message):
+            check_rl_args(RLArgs("", "", "general", "low", **bad))
+    with pytest.raises(ValueError, match="--grad-clip=-0.5"):
+        sft(SFTArgs("", "", "", grad_clip=-0.5))
+    with pytest.raises(ValueError, match="--warmup=1.0"):
+        sft(SFTArgs("", "", "", warmup=1.0))
+    with pytest.raises(ValueError, match="--clip=0.0: must be > 0"):
+        distill(DistillArgs("", "", "", clip=0.0))

@@ -79,7 +79,7 @@ def test_packing_keeps_documents_apart(tokenizer):
         pack([([1] * 65, [True] * 65)], 64, 0)
 
 
-def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path):
+def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path, capsys):
     data = tmp_path / "sft.jsonl"
     write_jsonl(data, generate(12, seed=0))
     out = tmp_path / "sft"
@@ -95,4 +95,13 @@ def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path):
     bad.write_text('{"messages": 3}\n')
     with pytest.raises(SystemExit):
         main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "x")])
+    bad.write_text(json.dumps(generate(1, seed=0)[0]) + "\n" + '{"messages": [{"role": "robot", "content": "x"}]}\n')
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a bad message names its conversation and file, no traceback
+        main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "y")])
+    assert f"--data {bad}: conversation 2: message 0: unknown role 'robot'" in capsys.readouterr().err
+    bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
+    with pytest.raises(SystemExit):
+        main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "z")])
+    assert "conversation 1 has no assistant message" in capsys.readouterr().err
     assert torch.isfinite(torch.tensor(rows[-1]["loss"]))
