@@ -200,11 +200,14 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
-def save_pretrained(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write `model` as a checkpoint directory at `path` (see the module docstring for the layout).
+def save_pretrained(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    tokenizer: Tokenizer | None = None) -> None:
+    """Write `model` as a checkpoint directory at `path` (see the module docstring for the layout), with
+    `tokenizer` beside it if given.
 
     Atomic: everything is written into a fresh directory beside `path`, which replaces `path` only once complete.
-    Files in an existing `path` that are not checkpoint files (a tokenizer, a README) are copied over first.
+    Files in an existing `path` that are not checkpoint files (a tokenizer, a README) are copied over first; a
+    `tokenizer` given here is written after them, so it replaces an old one.
     Streams: each shard's tensors are built (cast, padded, MXFP4-packed expert by expert), written, and dropped
     before the next shard's, so at most one shard is held besides the model.
     """
@@ -220,6 +223,8 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int
         _write_checkpoint(model, tmp, max_shard_bytes)
         if target.exists():
             _copy_other_files(target, tmp)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -527,9 +532,9 @@ def init_checkpoint(config: K3Config, out_dir: str | Path, seed: int, dtype: tor
     model.cast(dtype)
     model.to_empty(device="cpu")
     model.reset_parameters(seed)
-    save_pretrained(model, out_dir, max_shard_bytes=max_shard_bytes)
-    if tokenizer is not None:
-        tokenizer.save(out_dir)
+    # NOTE: the tokenizer goes into the same atomic write: a run killed in between must not leave weights whose
+    # config.json names a tokenizer's vocabulary with no tokenizer beside them.
+    save_pretrained(model, out_dir, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
     return config
 
 

@@ -393,7 +393,17 @@ class Engine:
             end = min(n, start + budget)
             if ci is not None and (start // ci + 1) * ci < end:
                 end = (start // ci + 1) * ci  # stop at the checkpoint boundary: the state exists only there
-            slots = self._image_slots(req, start, end)
+            try:
+                slots = self._image_slots(req, start, end)
+            except torch.OutOfMemoryError:
+                # NOTE: an image within the request limits can still exhaust memory in the tower; that fails this
+                # request alone (finish_reason "error"), as non-finite logits do, instead of every running one.
+                req.error = f"the vision tower ran out of memory on this request's {len(req.images)} image(s)"
+                self._end(req, "error", outputs)
+                self.prefilling.pop(0)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             images = {} if slots is None else {"image_features": slots}  # (a text request calls _forward as before)
             logits = self._forward(self.model, self.pool, [req.seq], req.kda, [req.prompt[start:end]],
                                    logits_to_keep=1, **images)

@@ -414,6 +414,24 @@ def test_init_checkpoint(tmp_path):
         assert torch.equal(loaded[name], want), name
 
 
+def test_init_checkpoint_with_tokenizer_is_one_atomic_write(tmp_path, monkeypatch):
+    from openk3.text.tokenizer import Tokenizer, train_bpe
+
+    tok = train_bpe(["def f(x): return x + 1"] * 20, 300)
+    init_checkpoint(tiny(), tmp_path / "ok", seed=0, tokenizer=tok)
+    assert Tokenizer.from_path(tmp_path / "ok").vocab_size == tok.vocab_size
+
+    def killed(self, path):
+        raise KeyboardInterrupt  # the run is stopped while the tokenizer is being written
+    monkeypatch.setattr(type(tok), "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        init_checkpoint(tiny(), tmp_path / "cut", seed=0, tokenizer=tok)
+    assert list(tmp_path.iterdir()) == [tmp_path / "ok"]  # no half-written checkpoint, no temporary left behind
+    with pytest.raises(KeyboardInterrupt):  # an existing checkpoint stays whole
+        init_checkpoint(tiny(), tmp_path / "ok", seed=1, tokenizer=tok)
+    assert Tokenizer.from_path(tmp_path / "ok").vocab_size == tok.vocab_size and load_pretrained(tmp_path / "ok")
+
+
 def test_init_checkpoint_refuses_large_configs(tmp_path):
     with pytest.raises(ValueError, match="4.912e\\+10 parameters"):
         init_checkpoint(kimi_linear_48b(), tmp_path / "big", seed=0)

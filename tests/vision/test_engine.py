@@ -136,3 +136,24 @@ def test_each_run_of_slots_holds_whole_images(model):
         engine.submit(swapped, SamplingParams(max_tokens=2), images=[six, one])
     engine.submit([1] + [PAD] * 7 + [3], SamplingParams(max_tokens=2), images=[six, one])  # adjacent images
     engine.submit([1, PAD, 2] + [PAD] * 6 + [3], SamplingParams(max_tokens=2), images=[one, six])
+
+
+def test_a_tower_out_of_memory_fails_its_request_alone(model, monkeypatch):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=400, prefill_chunk=8))
+    text = engine.submit(list(range(30, 50)), SamplingParams(max_tokens=5, **GREEDY))
+    engine.step()  # the text request is decoding when the image request's tower fails
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(model, "image_features", oom)
+    im = image(7)
+    req = engine.submit(prompt_for([im]), SamplingParams(max_tokens=4, **GREEDY), images=[im])
+    while engine.has_work():
+        engine.step()
+    assert req.finish_reason == "error" and "out of memory" in req.error and req.images is None
+    assert text.finish_reason == "length" and len(text.output) == 5
+    monkeypatch.undo()  # the engine still serves images afterwards
+    again = engine.submit(prompt_for([im]), SamplingParams(max_tokens=2, **GREEDY), images=[im])
+    while engine.has_work():
+        engine.step()
+    assert again.finish_reason == "length" and len(again.output) == 2
