@@ -11,8 +11,6 @@ blind to the gradient's scale).
 """
 
 import json
-import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -23,21 +21,14 @@ from openk3.model.checkpoint import load_for_inference
 from openk3.parallel.dcp import dcp_config, dcp_model_metas, read_dcp_tensor
 from openk3.train.trainer import DCP_DIR, TrainArgs, train
 from tests.helpers import rel_norm_err
-from tests.train.test_train import STDLIB_FILES, small_config
+from tests.train.test_train import make_workdir
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dp")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in STDLIB_FILES:
-        shutil.copy(stdlib / name, corpus / name)
-    small_config().save(root / "config.json")
-    return root
+    return make_workdir(tmp_path_factory.mktemp("dp"))
 
 
 def settings(workdir: Path, out: str) -> dict:

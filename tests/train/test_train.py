@@ -44,9 +44,8 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("train")
+def make_workdir(root: Path) -> Path:
+    """`root` with corpus/ (a few stdlib files) and config.json (`small_config`): what the training tests run on."""
     corpus = root / "corpus"
     corpus.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -54,6 +53,11 @@ def workdir(tmp_path_factory) -> Path:
         shutil.copy(stdlib / name, corpus / name)
     small_config().save(root / "config.json")
     return root
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return make_workdir(tmp_path_factory.mktemp("train"))
 
 
 def args_for(workdir: Path, out: str, **changes) -> TrainArgs:
