@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import random
 import time
@@ -25,7 +24,7 @@ import torch
 
 from openk3.posttrain.policy import add_fields, check_fields, load_policy, log_metrics, save_policy, start_run
 from openk3.text.chat import encode_segments, render_xtml
-from openk3.train.data import IGNORE_INDEX, Batch
+from openk3.train.data import IGNORE_INDEX, Batch, iter_jsonl
 from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims
 from openk3.train.trainer import RouterBalancer
 
@@ -98,13 +97,7 @@ def load_conversations(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise FileNotFoundError(f"--data file not found: {path}")
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+    for n, row, _ in iter_jsonl(p):
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             raise ValueError(f"{path}:{n}: expected an object with a 'messages' list")
         rows.append(row)

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,13 +148,12 @@ def _read_document(path: Path, name: str) -> Document | None:
         return None
 
 
-def _load_jsonl(path: Path, name: str) -> list[Document]:
-    """One document per non-blank line. Read as bytes, so a non-UTF-8 line is an error naming the file, the line
-    and the byte offset in the file (JSONL is UTF-8, RFC 8259; a directory load does not skip it as it does a
-    binary file, since a .jsonl file is meant as data)."""
-    docs = []
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object, str]]:
+    """(line number, parsed value, line) for every non-blank line of a JSONL file. Read as bytes, so a non-UTF-8
+    line is an error naming the file, the line and the byte offset in the file (JSONL is UTF-8, RFC 8259), as is a
+    line that is not JSON."""
     offset = 0  # of the line in the file, in bytes
-    with path.open("rb") as f:
+    with Path(path).open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -165,13 +164,20 @@ def _load_jsonl(path: Path, name: str) -> list[Document]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield line_number, json.loads(line), line
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_number}: invalid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{line_number}: expected an object with a string field "
-                                 f"'text', got {line.strip()[:80]!r}")
-            docs.append(Document(f"{name}:{line_number}", record["text"]))
+
+
+def _load_jsonl(path: Path, name: str) -> list[Document]:
+    """One document per non-blank line (`iter_jsonl`; a directory load does not skip a non-UTF-8 .jsonl file as it
+    does a binary file, since a .jsonl file is meant as data)."""
+    docs = []
+    for line_number, record, line in iter_jsonl(path):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{line_number}: expected an object with a string field "
+                             f"'text', got {line.strip()[:80]!r}")
+        docs.append(Document(f"{name}:{line_number}", record["text"]))
     return docs
 
 
