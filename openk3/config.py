@@ -522,6 +522,28 @@ def kimi_linear_48b() -> K3Config:
     )
 
 
+def kimi_linear_1_5b() -> K3Config:
+    """A Kimi-Linear model of 1.49e9 parameters (0.45e9 active), vocabulary 32,000: the config of the speed
+    benchmarks against transformers' KimiLinear (bench/vs_transformers.py, docs/training.md). No K3 addition."""
+    n = 16
+    return kimi_linear_48b().replace(
+        vocab_size=32000, hidden_size=1536, num_hidden_layers=n, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=4096,
+        linear_attn_config={"num_heads": 16, "head_dim": 128, "short_conv_kernel_size": 4, **_schedule(n, 4, True)},
+        num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=512,
+        first_k_dense_replace=1, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def k3_1_5b() -> K3Config:
+    """`kimi-linear-1.5b` with every K3 feature on (bounded full-rank KDA gate, gated MLA, Block AttnRes, Stable
+    LatentMoE at half width, SiTU-GLU, MXFP4 experts): what each K3 feature costs at the benchmark's size."""
+    c = kimi_linear_1_5b()
+    return c.replace(
+        hidden_act="situ", attn_res_block_size=4, mla_use_output_gate=True, routed_scaling_factor=1.0,
+        linear_attn_config={**dataclasses.asdict(c.linear_attn_config), "use_full_rank_gate": True, "gate_lower_bound": -5.0},
+        routed_expert_hidden_size=768, latent_moe_use_norm=True, quantization_config=copy.deepcopy(_MXFP4))
+
+
 def tiny(vocab_size: int = 2048) -> K3Config:
     """Every K3 feature on, at CPU-test size: bounded KDA with full-rank gate, gated MLA with q-LoRA,
     AttnRes with 3 blocks, LatentMoE with shared experts, SiTU-GLU, MXFP4 quantization_config."""
@@ -569,7 +591,8 @@ def tiny_vl(vocab_size: int = 2048) -> K3Config:
                                    init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128))
 
 
-PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "k3-1b": k3_1b, "tiny": tiny, "tiny-vl": tiny_vl}
+PRESETS = {"kimi-k3": kimi_k3, "kimi-linear-48b": kimi_linear_48b, "kimi-linear-1.5b": kimi_linear_1_5b,
+           "k3-1.5b": k3_1_5b, "k3-1b": k3_1b, "tiny": tiny, "tiny-vl": tiny_vl}
 
 
 def get_config(name_or_path: str) -> K3Config:
