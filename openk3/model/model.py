@@ -20,12 +20,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 from openk3.config import K3Config
 from openk3.model.state import K3Cache, KDAState, MLAState
 from openk3.ops import moe_experts
 from openk3.ops.attnres import attnres_mix
+from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
 from openk3.ops.moe import route
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
@@ -74,7 +81,14 @@ def glu_activation(config: K3Config):
     if config.hidden_act == "situ":
         b, lb = config.activation_situ_beta, config.activation_situ_linear_beta
         return lambda gate, up: recomputed(situ_glu, gate, up, b, lb)
-    return lambda gate, up: recomputed(swiglu, gate, up)
+
+    def swiglu_any(gate: Tensor, up: Tensor) -> Tensor:
+        # fla's fused SwiGLU (fp32 inside, like swiglu; one kernel forward, one backward) wherever fla's fused
+        # KDA path runs; elsewhere the recomputed reference
+        if gate.is_cuda and select_kda_backend(gate.device).fused:
+            return kda_fused.swiglu(gate, up)
+        return recomputed(swiglu, gate, up)
+    return swiglu_any
 
 
 class MLP(nn.Module):
@@ -119,6 +133,39 @@ def causal_conv_silu(x_BTC: Tensor, w_C1W: Tensor, pos_BT: Tensor | None, tail_B
             xs = xs * (pos_BT >= s).unsqueeze(-1)
         y = y + xs * w[:, W - 1 - s]
     return F.silu(y)
+
+
+def document_causal_mask(cu_seqlens: Tensor, B: int, T: int) -> Tensor:
+    """[B, 1, T, T] bool: causal within each packed document (cu_seqlens over the flattened B*T tokens)."""
+    pos = segment_positions(cu_seqlens.long(), B * T).view(B, T)
+    seg = (pos == 0).long().view(-1).cumsum(0).view(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
+# SDPA's kernels in order of preference. On CUDA cuDNN's kernel takes MLA's qk width (192) apart from its v width
+# (128), which flash cannot; measured on the H200 at [2, 16, 2048], causal bf16: cuDNN 0.15 ms, memory-efficient
+# 0.37 ms (docs/training.md).
+SDPA_DEFAULT = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_ORDER = {"cuda": [SDPBackend.CUDNN_ATTENTION, *SDPA_DEFAULT]}
+
+
+def varlen_attention_runs(q: Tensor) -> bool:
+    """Whether torch's varlen flash attention can take q (CUDA, bf16 or fp16)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None
+
+
+def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int,
+                            scale: float) -> Tensor:
+    """Causal attention within packed documents through torch's varlen flash kernel: q, k [B, T, H, qd], v
+    [B, T, H, vd] -> [B, T, H, vd]. Flash needs one head width, so v is zero-padded to qd and the output cut back."""
+    B, T, H, qd = q.shape
+    vd = v.shape[-1]
+    if vd < qd:
+        v = F.pad(v, (0, qd - vd))
+    o = varlen_attn(q.reshape(B * T, H, qd), k.reshape(B * T, H, qd), v.reshape(B * T, H, qd), cu_seqlens,
+                    cu_seqlens, max_len, max_len, scale=scale, window_size=(-1, 0))
+    return o[..., :vd].view(B, T, H, vd)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -167,12 +214,14 @@ class KimiDeltaAttention(nn.Module):
         With `keep_inputs`, `state.inputs` gets this forward's per-token inputs (`KDAState`), else None."""
         B, T, _ = x.shape
         H, K = self.H, self.K
+        backend = select_kda_backend(x.device)
+        if state is None and backend.fused:
+            return self.forward_fused(x, cu_seqlens)
         qkv = self.qkv_proj(x)
         q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None)
         if state is not None:
             state.conv = torch.cat([state.conv, qkv.to(state.conv.dtype)], dim=1)[:, -(self.W - 1):]
             state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
-        backend = select_kda_backend(x.device)
         kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
         if cu_seqlens is not None:
@@ -186,6 +235,23 @@ class KimiDeltaAttention(nn.Module):
             if state is not None:
                 state.recurrent = final
         return self.output(o, x)
+
+    def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+        """`forward` without a cache, its elementwise chains inside fla's kernels (ops/kda/fused.py): the short
+        conv + SiLU, the decay gate inside chunk_kda, and the gated output norm. Same math as the reference
+        pieces below; tests/model/test_kda_fused.py checks forward and backward against them on the GPU."""
+        B, T, _ = x.shape
+        H, K = self.H, self.K
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0, :]
+        qkv = kda_fused.conv_silu(self.qkv_proj(x), conv_w, cu_seqlens)
+        q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (H, K))
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o = kda_fused.chunk_gated(q, k, v, f, beta, self.A_log.float(), self.dt_bias.float(), self.lower_bound,
+                                  K ** -0.5, cu_seqlens)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = kda_fused.gated_rms_norm(o, gate.unflatten(-1, (H, K)), self.o_norm.weight, self.o_norm.eps)
+        return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
     # context-parallel kernel.
@@ -245,14 +311,19 @@ class GatedMLA(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
-    def attend_expanded(self, q: Tensor, lat: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        """Up-project the latent to full heads and run SDPA. q [B,T,H,qd], lat [B,S,r+rope] -> [B,T,H,vd]."""
+    def attend_expanded(self, q: Tensor, lat: Tensor, mask: Tensor | None, causal: bool,
+                        varlen: tuple[Tensor, int] | None = None) -> Tensor:
+        """Up-project the latent to full heads and run SDPA. q [B,T,H,qd], lat [B,S,r+rope] -> [B,T,H,vd].
+        `varlen` (cu_seqlens int32 over the B*T tokens, longest document): packed documents without a mask."""
         c, k_pe = lat.split([self.r, self.rope], dim=-1)
         kv = self.kv_b_proj(c).unflatten(-1, (self.H, self.nope + self.vd))
         k_nope, v = kv.split([self.nope, self.vd], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.H, -1)], dim=-1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal and mask is None, scale=self.scale)
+        if varlen is not None:
+            return varlen_causal_attention(q, k, v, *varlen, self.scale)
+        with sdpa_kernel(SDPA_ORDER.get(q.device.type, SDPA_DEFAULT), set_priority=True):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask, is_causal=causal and mask is None, scale=self.scale)
         return o.transpose(1, 2)
 
     def attend_absorbed(self, q: Tensor, lat: Tensor, mask: Tensor | None) -> Tensor:
@@ -271,13 +342,17 @@ class GatedMLA(nn.Module):
         return torch.einsum("bthr,hvr->bthv", o_lat, w_v).to(q.dtype)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, state: MLAState | None = None,
-                absorb: bool | None = None) -> Tensor:
+                absorb: bool | None = None, varlen: tuple[Tensor, int] | None = None) -> Tensor:
         """x [B, T, D] -> [B, T, D]. `mask` [B, 1, T, T] bool (block-diagonal causal for packed documents) or None
         for plain causal. With `state`, the new latents are appended to the cache and attention covers it.
-        `absorb` picks the latent-space form (default: when decoding from a cache)."""
+        `absorb` picks the latent-space form (default: when decoding from a cache). `varlen` (cu_seqlens, longest
+        document) describes packed documents instead of `mask`, for the varlen flash kernel (bf16/fp16 on CUDA);
+        where that cannot run, the mask is built from it."""
         B, T, _ = x.shape
         q = self.query(x)
         lat = self.latent(x)
+        if varlen is not None and (absorb or state is not None or not varlen_attention_runs(q)):
+            mask, varlen = document_causal_mask(varlen[0], B, T), None
         if state is not None:
             if mask is not None:
                 raise ValueError("packed-document masks are not supported together with a decode cache")
@@ -289,7 +364,7 @@ class GatedMLA(nn.Module):
                 mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
             o = self.attend_absorbed(q, lat, mask)
         else:
-            o = self.attend_expanded(q, lat, mask, causal=True)
+            o = self.attend_expanded(q, lat, mask, causal=True, varlen=varlen)
         return self.output(o, x)
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
@@ -413,7 +488,7 @@ class DecoderLayer(nn.Module):
         if self.is_kda:
             return self.self_attn(x, cu_seqlens=ctx.cu_seqlens, pos=ctx.pos, state=layer_cache,
                                   keep_inputs=ctx.keep_inputs)
-        return self.self_attn(x, mask=ctx.mask, state=layer_cache, absorb=ctx.absorb)
+        return self.self_attn(x, mask=ctx.mask, state=layer_cache, absorb=ctx.absorb, varlen=ctx.varlen)
 
     def mix(self, prefix: Tensor, bank: list[Tensor], norm: "RMSNormWeight", proj: nn.Linear, name: str,
             ctx: "ForwardContext") -> Tensor:
@@ -462,6 +537,7 @@ class ForwardContext:
     cu_seqlens: Tensor | None = None  # packed documents over the flattened B*T tokens
     pos: Tensor | None = None  # [B, T] position inside the document (for the KDA conv)
     mask: Tensor | None = None  # [B, 1, T, T] block-diagonal causal mask for MLA (None = plain causal)
+    varlen: tuple[Tensor, int] | None = None  # instead of `mask` on CUDA: (cu_seqlens int32, longest document)
     absorb: bool | None = None
     qat: bool = False  # MoE experts fake-quantised (MXFP4 weights, MXFP8 inputs)
     keep_inputs: bool = False  # KDA layers leave their per-token inputs in their state
@@ -614,9 +690,10 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"cu_seqlens must start at 0, end at B*T={B * T} and contain every row start; "
                                  f"got {cu_seqlens.tolist()[:8]}...")
             ctx.pos = segment_positions(cu_seqlens, B * T).view(B, T)
-            seg = (ctx.pos == 0).long().view(-1).cumsum(0).view(B, T)
-            ctx.mask = ((seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool,
-                                                                           device=seg.device).tril())[:, None]
+            if input_ids.device.type == "cuda":  # no dense [B, 1, T, T] mask: it keeps SDPA off its fast kernels
+                ctx.varlen = (cu_seqlens.to(torch.int32), int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+            else:
+                ctx.mask = document_causal_mask(cu_seqlens, B, T)
         if cache is not None and len(cache.layers) != c.num_hidden_layers:
             raise ValueError(f"cache has {len(cache.layers)} layers, model has {c.num_hidden_layers}")
 

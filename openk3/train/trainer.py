@@ -922,8 +922,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     kda_backend = select_kda_backend(device)
     print(f"  {kda_backend}")
     if kda_backend.name == "fla":
-        print("  note: fla autotunes each Triton kernel on its first call; on a fresh machine the first step can take "
-              "minutes (measured: over 5 on an H200). Triton caches the result under TRITON_CACHE_DIR.")
+        print("  note: the first step compiles the Triton kernels (cached under TRITON_CACHE_DIR for later runs)")
 
     end = args.stop_at or args.steps
     result = TrainResult(run_dir)

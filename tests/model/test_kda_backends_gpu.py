@@ -19,7 +19,7 @@ import torch
 from openk3.config import K3Config
 from openk3.model import K3ForCausalLM
 import openk3.model.model as model_module
-from openk3.ops.kda.backend import BACKEND_ENV, _select
+from openk3.ops.kda.backend import BACKEND_ENV, FUSED_ENV, _select
 from tests.helpers import rel_norm_err
 
 pytestmark = [
@@ -59,18 +59,23 @@ def one_step(model, backend: str, ids, labels, cu_seqlens, autocast: bool, monke
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-CASES = [  # (gate, autocast, packed, recompute, bound on the per-parameter gradient error)
-    ("k3", False, False, True, 2e-2),
-    ("k3", True, False, True, 5e-2),
-    ("k3", False, True, True, 2e-2),
-    ("k3", False, False, False, 2e-2),
-    ("softplus", False, False, True, 2e-2),
-    ("softplus", True, True, True, 5e-2),
+CASES = [  # (gate, autocast, packed, recompute, fused, bound on the per-parameter gradient error)
+    ("k3", False, False, True, "1", 2e-2),
+    ("k3", True, False, True, "1", 5e-2),
+    ("k3", False, True, True, "1", 2e-2),
+    ("k3", True, True, True, "1", 5e-2),
+    ("k3", False, False, False, "0", 2e-2),
+    ("k3", True, True, True, "0", 5e-2),
+    ("softplus", False, False, True, "1", 2e-2),
+    ("softplus", True, True, True, "1", 5e-2),
 ]
 
 
-@pytest.mark.parametrize("gate,autocast,packed,recompute,bound", CASES)
-def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, bound, monkeypatch):
+@pytest.mark.parametrize("gate,autocast,packed,recompute,fused,bound", CASES)
+def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, fused, bound, monkeypatch):
+    """fused=1: the KDA layer's conv, gate and output norm in fla's kernels too (ops/kda/fused.py); 0: only
+    chunk_kda from fla. The torch side is always the reference chain."""
+    monkeypatch.setenv(FUSED_ENV, fused)
     _select.cache_clear()
     if not recompute:
         monkeypatch.setattr(model_module, "recomputed", lambda fn, *args: fn(*args))
@@ -94,7 +99,7 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, bound, 
     _select.cache_clear()
     errors = {n: rel_norm_err(g_fla[n], g_ref[n]) for n in g_ref}
     assert set(g_fla) == set(g_ref)
-    report = {"case": dict(gate=gate, autocast=autocast, packed=packed, recompute=recompute),
+    report = {"case": dict(gate=gate, autocast=autocast, packed=packed, recompute=recompute, fused=fused),
               "loss_fla": loss_fla, "loss_torch": loss_ref, "grad_rel_err": errors}
     print("\n" + json.dumps(report))
     if os.environ.get("OPENK3_REPORT"):

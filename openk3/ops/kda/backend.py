@@ -6,7 +6,8 @@
 
 Default: fla when the device is CUDA and `fla.ops.kda` imports, else torch. The environment
 variable OPENK3_KDA_BACKEND (naive | torch | fla) overrides it; asking for fla where it cannot
-run is an error, never a quiet fallback.
+run is an error, never a quiet fallback. With fla, the KDA layer also runs its conv, gate and output norm in fla's
+kernels (ops/kda/fused.py); OPENK3_KDA_FUSED=0 keeps the reference chains around fla's chunk_kda.
 
 Every `chunk` and `recurrent` function takes the same arguments as `naive_recurrent_kda`:
 (q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -24,8 +25,10 @@ from torch import Tensor
 
 from openk3.ops.kda.chunk import chunk_kda_torch
 from openk3.ops.kda.naive import check_kda_inputs, naive_recurrent_kda
+from openk3.ops.kda.tuned import use_shipped_fla_configs
 
 BACKEND_ENV = "OPENK3_KDA_BACKEND"
+FUSED_ENV = "OPENK3_KDA_FUSED"
 BACKEND_NAMES = ("naive", "torch", "fla")
 
 
@@ -37,6 +40,9 @@ class KDABackend:
     reason: str
     chunk: Callable[..., tuple[Tensor, Tensor | None]]
     recurrent: Callable[..., tuple[Tensor, Tensor | None]]
+    # the KDA layer runs its elementwise chains inside fla's kernels too (ops/kda/fused.py) when it has no cache;
+    # fla only, on unless OPENK3_KDA_FUSED=0 (which keeps the reference chains around fla's chunk_kda)
+    fused: bool = False
 
     def __str__(self) -> str:
         return f"KDA backend '{self.name}': {self.reason}"
@@ -45,11 +51,14 @@ class KDABackend:
 def select_kda_backend(device: torch.device | str) -> KDABackend:
     """The KDA backend for `device`, honouring OPENK3_KDA_BACKEND; see the module docstring."""
     requested = os.environ.get(BACKEND_ENV, "").strip().lower() or None
-    return _select(torch.device(device).type, requested)
+    fused = os.environ.get(FUSED_ENV, "1").strip()
+    if fused not in ("0", "1"):
+        raise ValueError(f"{FUSED_ENV}={fused!r}: expected 0 or 1")
+    return _select(torch.device(device).type, requested, fused == "1")
 
 
 @functools.cache
-def _select(device_type: str, requested: str | None) -> KDABackend:
+def _select(device_type: str, requested: str | None, fused: bool) -> KDABackend:
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"{BACKEND_ENV}={requested!r} is not one of {BACKEND_NAMES}")
     if requested == "naive":
@@ -57,17 +66,31 @@ def _select(device_type: str, requested: str | None) -> KDABackend:
     if requested == "torch":
         return KDABackend("torch", f"{BACKEND_ENV}=torch", chunk_kda_torch, naive_recurrent_kda)
 
+    # before fla's first import (in _why_fla_cannot_run): fla reads where its configs are when it is imported
+    tuning = _fla_tuning() if device_type == "cuda" and torch.cuda.is_available() else ""
     problem = _why_fla_cannot_run(device_type)
     if requested == "fla":
         if problem is not None:
             raise RuntimeError(f"{BACKEND_ENV}=fla, but {problem}")
-        return KDABackend("fla", f"{BACKEND_ENV}=fla", chunk_kda_fla, recurrent_kda_fla)
+        return KDABackend("fla", f"{BACKEND_ENV}=fla; {tuning}", chunk_kda_fla, recurrent_kda_fla, fused)
     if problem is None:
         version = importlib.import_module("fla").__version__
-        return KDABackend("fla", f"device is cuda and fla {version} imports", chunk_kda_fla,
-                          recurrent_kda_fla)
+        return KDABackend("fla", f"device is cuda and fla {version} imports; {tuning}", chunk_kda_fla,
+                          recurrent_kda_fla, fused)
     return KDABackend("torch", f"{problem}; using the chunked PyTorch version", chunk_kda_torch,
                       naive_recurrent_kda)
+
+
+def _fla_tuning() -> str:
+    """Before fla's first import, point it at openk3's shipped kernel configs for this GPU (tuned.py); say which
+    configs fla will use."""
+    name = torch.cuda.get_device_name(0)
+    if use_shipped_fla_configs(name) is not None:
+        return f"kernel configs shipped for {name} (no autotuning for known shapes)"
+    if os.environ.get("FLA_CACHE_MODE"):
+        return f"kernel configs from FLA_CONFIG_DIR={os.environ.get('FLA_CONFIG_DIR')!r}"
+    return (f"no shipped kernel configs for {name}: fla autotunes each kernel on first use (minutes on a fresh "
+            "machine; Triton caches the result)")
 
 
 def _why_fla_cannot_run(device_type: str) -> str | None:

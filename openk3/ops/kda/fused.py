@@ -1,0 +1,66 @@
+"""The KDA layer's elementwise chains fused into fla's Triton kernels (CUDA only), for training and prefill.
+
+Each function here computes exactly what a piece of `KimiDeltaAttention`'s reference forward computes
+(openk3/model/model.py), with one kernel instead of a chain of fp32 elementwise ops over [B, T, H*K]
+(measured on the H200, those chains and their casts took most of a step's GPU time; docs/training.md):
+
+    conv_silu      causal_conv_silu: depthwise causal short conv + SiLU, restarting at document starts
+    chunk_gated    decay() + the delta rule: the gate  lb * sigmoid(exp(A_log) * (f + dt_bias))  (K3, bounded;
+                   fla's `safe_gate`) or  -exp(A_log) * softplus(f + dt_bias)  (Kimi-Linear) computed inside
+                   fla's chunk_kda, which also returns the gradients of A_log and dt_bias
+    gated_rms_norm the per-head o_norm times sigmoid(output gate)
+    swiglu         ops/situ.py's swiglu (the Kimi-Linear MLPs and experts; K3's SiTU has no fla kernel)
+
+Arithmetic is fp32 inside the kernels, as in the reference; the results round once to the input dtype where
+the reference rounds the same values (a few ulps apart). tests/model/test_kda_fused.py compares the whole
+layer, forward and backward, against the reference path on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def conv_silu(qkv: Tensor, w_CW: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """SiLU(causal depthwise conv of qkv [B, T, C] with w [C, W]) in qkv's dtype; with cu_seqlens (over the
+    flattened B*T tokens) the window stops at every document start."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    B, T, C = qkv.shape
+    if cu_seqlens is None:
+        y, _ = causal_conv1d(qkv, weight=w_CW, activation="silu")
+        return y
+    y, _ = causal_conv1d(qkv.reshape(1, B * T, C), weight=w_CW, activation="silu", cu_seqlens=cu_seqlens)
+    return y.view(B, T, C)
+
+
+def chunk_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                lower_bound: float | None, scale: float, cu_seqlens: Tensor | None) -> Tensor:
+    """The delta rule with the decay computed from the raw gate input f [B, T, H, K] inside the kernel.
+    q, k, v [B, T, H, K] (L2-normed in the kernel), beta [B, T, H] after its sigmoid -> o [B, T, H, K]."""
+    from fla.ops.kda import chunk_kda
+
+    B, T, H, K = q.shape
+    args = dict(scale=scale, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                dt_bias=dt_bias, safe_gate=lower_bound is not None, lower_bound=lower_bound)
+    if cu_seqlens is None:
+        o, _ = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), f, beta.to(q.dtype), **args)
+        return o
+    o, _ = chunk_kda(*(t.flatten(0, 1)[None] for t in (q, k.to(q.dtype), v.to(q.dtype), f, beta.to(q.dtype))),
+                     cu_seqlens=cu_seqlens, **args)
+    return o.view(B, T, H, K)
+
+
+def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm(o) * weight * sigmoid(gate) over the last dim, in o's dtype; o and gate [..., K]."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(o, gate.reshape(o.shape), weight, None, activation="sigmoid", eps=eps)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up in fp32, rounded to gate's dtype (ops/situ.py `swiglu`); fla's fused kernel."""
+    from fla.modules.activations import swiglu as fla_swiglu
+
+    return fla_swiglu(gate, up)

@@ -1,0 +1,87 @@
+"""The GPU-only fast paths of the model against their references, forward and backward.
+
+- MLA on packed documents: torch's varlen flash kernel (v zero-padded to the qk width) vs SDPA with the dense
+  block-diagonal mask, and the cuDNN-first SDPA order vs the math kernel in fp32, on one GatedMLA layer.
+- fla's tuned kernel configs written by openk3/ops/kda/tuned.py parse with fla's own reader, keyed as fla keys them.
+"""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from openk3.config import tiny
+from openk3.model.model import GatedMLA, document_causal_mask
+from tests.helpers import rel_norm_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def grads_of(layer, x, **kw):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    y = layer(x, **kw)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
+    return y.float(), x.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_mla_varlen_matches_dense_mask(dtype):
+    torch.manual_seed(0)
+    c = tiny().replace(num_attention_heads=4, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+    layer = GatedMLA(c).cuda().to(dtype)
+    B, T = 2, 300
+    cu = torch.tensor([0, 37, 300, 301, 480, 600], device="cuda")  # a one-token document, a row-long one
+    x = torch.randn(B, T, c.hidden_size, device="cuda", dtype=dtype)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    y, gx, gp = grads_of(layer, x, varlen=(cu.to(torch.int32), max_len))
+    ref_layer = GatedMLA(c).cuda()
+    ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    with sdpa_kernel([SDPBackend.MATH]):
+        y_ref, gx_ref, gp_ref = grads_of(ref_layer, x.float(), mask=document_causal_mask(cu, B, T))
+    assert rel_norm_err(y, y_ref) < 2e-2
+    assert rel_norm_err(gx, gx_ref) < 3e-2
+    for n in gp_ref:
+        assert rel_norm_err(gp[n], gp_ref[n]) < 3e-2, n
+
+
+def test_mla_causal_sdpa_order_matches_math():
+    """Unpacked causal MLA through the CUDA SDPA order (cuDNN first) vs the math kernel, bf16 vs fp32."""
+    torch.manual_seed(1)
+    c = tiny().replace(num_attention_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    layer = GatedMLA(c).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 256, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    y, gx, gp = grads_of(layer, x)
+    ref_layer = GatedMLA(c).cuda()
+    ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    with sdpa_kernel([SDPBackend.MATH]):
+        y_ref, gx_ref, gp_ref = grads_of(ref_layer, x.float())
+    assert rel_norm_err(y, y_ref) < 2e-2
+    assert rel_norm_err(gx, gx_ref) < 3e-2
+    for n in gp_ref:
+        assert rel_norm_err(gp[n], gp_ref[n]) < 3e-2, n
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention")
+def test_dumped_fla_configs_parse_with_fla(tmp_path):
+    import triton
+    from fla.ops.kda import chunk_kda
+    from fla.ops.utils.cache import AutotuneKey, KernelConfigFile
+
+    from openk3.ops.kda.tuned import dump_fla_configs
+
+    B, T, H, K = 1, 256, 2, 64
+    q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = -torch.rand(B, T, H, K, device="cuda") * 0.1
+    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+    chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    names = dump_fla_configs(tmp_path, triton.__version__)
+    assert names, "no fla kernel was tuned by a chunk_kda call"
+    for name in names:
+        path = tmp_path / f"{name}.json"
+        parsed = KernelConfigFile.from_file(path)
+        assert parsed is not None and parsed.default_config is not None, name
+        for h, entry in json.loads(path.read_text())["autotune_entries"].items():
+            assert AutotuneKey.key_hash(tuple(entry["autotune_key"])) == h, name
