@@ -49,79 +49,108 @@ def all_gather(x: Tensor, world: int, group) -> list[Tensor]:
     return list(funcol.wait_tensor(out).chunk(world))
 
 
-def _segment(cu_seqlens: Tensor, L: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's view of the global packing: (positions inside the document [L], the local cu_seqlens [P+1]
-    of its document pieces, each global segment's "continues a document" flag [world])."""
+def _segment(cu_seqlens: Tensor, B: int, L: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """This rank's view of the global packing of B rows of world x L tokens each (cu_seqlens over the flattened
+    B world L tokens, every row start one of them): (positions inside the document [B, L], the local cu_seqlens
+    [P+1] of its document pieces over the flattened B L tokens, each row's "continues a document" flag of every
+    segment [B, world], the index of each row's first piece [B])."""
     cu = cu_seqlens.to(torch.long).cpu()
     T = L * world
-    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] <= cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to the whole row's {T} tokens ({world} ranks x "
-                         f"{L}), got {cu.tolist()}")
-    pos = segment_positions(cu, T)
-    start = rank * L
-    inner = cu[(cu > start) & (cu < start + L)] - start
-    local = torch.cat([torch.tensor([0]), inner, torch.tensor([L])])
-    continues = pos[torch.arange(world) * L] > 0
-    return pos[start:start + L], local, continues
+    row_starts = torch.arange(0, B * T, T)
+    if (int(cu[0]) != 0 or int(cu[-1]) != B * T or bool((cu[1:] <= cu[:-1]).any())
+            or not bool(torch.isin(row_starts, cu).all())):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to the {B} rows' {B * T} tokens ({world} ranks x "
+                         f"{L} a row) and contain every row start, got {cu.tolist()}")
+    pos = segment_positions(cu, B * T).view(B, T)
+    mine = pos[:, rank * L:(rank + 1) * L]
+    starts = mine == 0
+    starts[:, 0] = True  # a row's slice starts a piece even inside a document (the fold carries its state in)
+    flat = starts.flatten()
+    local = torch.cat([flat.nonzero()[:, 0], torch.tensor([B * L])])
+    first_piece = flat.cumsum(0)[torch.arange(B) * L] - 1
+    continues = pos[:, torch.arange(world) * L] > 0
+    return mine, local, continues, first_piece
+
+
+def local_rows(input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, rank: int, world: int
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """CP rank `rank`'s contiguous slice of every row of a packed batch: input_ids, labels [B, T] ->
+    [B, T / world] each, and the cu_seqlens of the slices as the model validates them (every row start, and every
+    document start inside the slices, over the flattened B T / world tokens). Labels were aligned before slicing,
+    so the last token of a slice keeps its target, the first token of the next slice."""
+    B, T = input_ids.shape
+    if T % world:
+        raise ValueError(f"rows of {T} tokens do not split into {world} equal context-parallel slices")
+    L = T // world
+    _, local, _, _ = _segment(cu_seqlens, B, L, rank, world)
+    cols = slice(rank * L, (rank + 1) * L)
+    return input_ids[:, cols], labels[:, cols], local.to(input_ids.device)
 
 
 def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
-    """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's segment x [1, L, D] -> [1, L, D]
-    (see the module docstring)."""
-    if x.dim() != 3 or x.shape[0] != 1:
-        raise ValueError(f"context parallelism splits one packed row: x must be [1, L, D], got {tuple(x.shape)}")
+    """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's slice x [B, L, D] of every row
+    (rows of R L tokens, `cu_seqlens` the global packing over the B R L tokens) -> [B, L, D] (see the module
+    docstring)."""
+    if x.dim() != 3:
+        raise ValueError(f"context parallelism splits packed rows: x must be [B, L, D], got {tuple(x.shape)}")
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    L, W, H, K = x.shape[1], attn.W, attn.H, attn.K
+    B, L, W, H, K = x.shape[0], x.shape[1], attn.W, attn.H, attn.K
     if L < W - 1:
         raise ValueError(f"each rank needs at least the conv halo of {W - 1} tokens, got {L}")
-    pos, local_cu, continues = _segment(cu_seqlens, L, rank, R)
+    pos, local_cu, continues, first_piece = _segment(cu_seqlens, B, L, rank, R)
     device = x.device
 
     qkv = attn.qkv_proj(x)
-    # the W-1 conv inputs before my segment: the previous rank's last ones (masked by pos where a document starts)
-    halos = all_gather(qkv[0, -(W - 1):], R, group)
+    # the W-1 conv inputs before my slice: the previous rank's last ones (masked by pos where a document starts)
+    halos = all_gather(qkv[:, -(W - 1):], R, group)
     # NOTE: every gathered tensor must stay in every rank's graph (rank 0's halo as zeros), else that rank skips
     # the all-gather's backward collective while the others wait in it
-    tail = (halos[rank - 1] if rank > 0 else 0 * halos[-1])[None]
-    q, k, v, g, beta = attn.kernel_inputs(x, qkv, pos.to(device)[None], tail)
+    tail = halos[rank - 1] if rank > 0 else 0 * halos[-1]
+    q, k, v, g, beta = attn.kernel_inputs(x, qkv, pos.to(device), tail)
 
-    # one kernel call on [v | 0]: the state's extra K columns start at I for a continuing first piece
+    # one kernel call on [v | 0]: the state's extra K columns start at I for a row's continuing first piece
     pieces = local_cu.numel() - 1
     init = q.new_zeros(pieces, H, K, K + K, dtype=torch.float32)
-    if continues[rank]:
-        init[0, :, :, K:] = torch.eye(K, device=device)
+    init[first_piece[continues[:, rank]], :, :, K:] = torch.eye(K, device=device)
     v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
     kernel = select_kda_backend(device).chunk
-    o_aug, final = kernel(q, k, v_aug, g, beta, scale=K ** -0.5, initial_state=init, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, cu_seqlens=local_cu.to(device))
-    o_zero, readout = o_aug.float().split([K, K], dim=-1)  # [1, L, H, K] each; readout_t = X_t^T q_t
+    o_aug, final = kernel(*(t.flatten(0, 1)[None] for t in (q, k, v_aug, g, beta)), scale=K ** -0.5,
+                          initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          cu_seqlens=local_cu.to(device))
+    o_zero, readout = o_aug.float().view(B, L, H, K + K).split([K, K], dim=-1)  # readout_t = X_t^T q_t
 
-    # all-gather every segment's [S_ext | M] (fp32, [H, K, V + K]) and fold the earlier ones: S_in
-    pairs = all_gather(final[-1], R, group)
-    S_in = final.new_zeros(H, K, K)
+    # all-gather every row's [S_ext | M] of its last piece (fp32, [B, H, K, V + K]) and fold the earlier ones
+    last_piece = torch.cat([first_piece[1:] - 1, torch.tensor([pieces - 1])])
+    pairs = all_gather(final[last_piece.to(device)], R, group)
+    S_in = final.new_zeros(B, H, K, K)
     for j in range(R):
         S_ext, M = pairs[j].split([K, K], dim=-1)
         S_in = M @ S_in + S_ext if j < rank else S_in + 0 * pairs[j][..., :K]  # (the NOTE above)
-    o = o_zero + torch.einsum("bthk,hkv->bthv", readout, S_in)  # X_t = 0 after a document start
+    o = o_zero + torch.einsum("bthk,bhkv->bthv", readout, S_in)  # X_t = 0 after a document start
     return attn.output(o.to(q.dtype), x)
 
 
 def mla_context_parallel(attn: GatedMLA, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
-    """`attn(x_full, mask=the packed block-diagonal causal mask)` restricted to this rank's segment x [1, L, D]."""
-    if x.dim() != 3 or x.shape[0] != 1:
-        raise ValueError(f"context parallelism splits one packed row: x must be [1, L, D], got {tuple(x.shape)}")
+    """`attn(x_full, mask=the packed block-diagonal causal mask)` restricted to this rank's slice x [B, L, D] of
+    every row."""
+    if x.dim() != 3:
+        raise ValueError(f"context parallelism splits packed rows: x must be [B, L, D], got {tuple(x.shape)}")
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    L = x.shape[1]
-    _segment(cu_seqlens, L, rank, R)  # validates the packing
+    B, L = x.shape[:2]
+    _segment(cu_seqlens, B, L, rank, R)  # validates the packing
+    lat = torch.cat(all_gather(attn.latent(x), R, group), dim=1)  # [B, T, r + rope]
+    o = attn.attend_expanded(attn.query(x), lat, packed_mask(cu_seqlens, B, L, rank, R).to(x.device), causal=False)
+    return attn.output(o, x)
+
+
+def packed_mask(cu_seqlens: Tensor, B: int, L: int, rank: int, world: int) -> Tensor:
+    """[B, 1, L, T] bool: which of its row's T = world L tokens each of this rank's L tokens attends to (same
+    document, not later): the rows of the packed block-diagonal causal mask that belong to this rank."""
+    T = L * world
     cu = cu_seqlens.to(torch.long).cpu()
-    T = L * R
-    doc = torch.zeros(T, dtype=torch.long)
+    doc = torch.zeros(B * T, dtype=torch.long)
     doc[cu[1:-1]] = 1
-    doc = doc.cumsum(0)
-    q = attn.query(x)
-    lat = torch.cat(all_gather(attn.latent(x)[0], R, group))[None]  # [1, T, r + rope]
+    doc = doc.cumsum(0).view(B, T)
     rows = torch.arange(rank * L, (rank + 1) * L)
     cols = torch.arange(T)
-    mask = (doc[rows][:, None] == doc[None, :]) & (cols[None, :] <= rows[:, None])
-    o = attn.attend_expanded(q, lat, mask[None, None].to(x.device), causal=False)
-    return attn.output(o, x)
+    return ((doc[:, rows, None] == doc[:, None, :]) & (cols[None, None, :] <= rows[None, :, None]))[:, None]

@@ -1,8 +1,10 @@
-"""Context parallelism on 4 gloo ranks equals the unsplit row, forward and backward, for a KDA and an MLA layer.
+"""Context parallelism on 4 gloo ranks equals the unsplit rows, forward and backward, for a KDA and an MLA layer.
 
-The packed row of 4 x 11 tokens has documents that start inside a segment (7, 25, 26, 38), one that spans three
-segments ([7, 25): the fold passes through a whole segment's M), one that ends exactly at a segment boundary
-([26, 33)), a one-token document, and one that starts exactly at a boundary (33). Awkward sizes throughout.
+Two packed rows of 4 x 11 tokens. Row 0 has documents that start inside a segment (7, 25, 26, 38), one that spans
+three segments ([7, 25): the fold passes through a whole segment's M), one that ends exactly at a segment boundary
+([26, 33)), a one-token document, and one that starts exactly at a boundary (33). Row 1 (its own packing, as in a
+training batch) ends its first document exactly at the first boundary (11) and runs one from 15 to the end, across
+three boundaries. Awkward sizes throughout.
 """
 
 import pytest
@@ -14,8 +16,10 @@ from tests.helpers import rel_err
 from tests.parallel.dist import init_gloo, spawn
 from tests.train.test_train import small_config
 
-R, L = 4, 11
-CU = torch.tensor([0, 7, 25, 26, 33, 38, 44])
+R, L, B = 4, 11, 2
+ROW0 = [0, 7, 25, 26, 33, 38]
+ROW1 = [0, 11, 15]
+CU = torch.tensor(ROW0 + [R * L + c for c in ROW1] + [B * R * L])  # over the flattened B x R L tokens
 LAYERS = ("kda", "mla")
 
 
@@ -27,18 +31,18 @@ def layer_and_inputs(kind: str, config=None):
         p.data = torch.randn_like(p) * (0.5 if p.dim() > 1 else 0.2)
     if kind == "kda":
         layer.A_log.data = torch.rand_like(layer.A_log) + 0.5
-    x = torch.randn(1, R * L, config.hidden_size)
-    return layer, x, torch.randn(1, R * L, config.hidden_size)
+    x = torch.randn(B, R * L, config.hidden_size)
+    return layer, x, torch.randn(B, R * L, config.hidden_size)
 
 
 def full_forward(layer, kind: str, x: torch.Tensor) -> torch.Tensor:
     if kind == "kda":
-        return layer(x, cu_seqlens=CU.to(x.device), pos=segment_positions(CU, R * L)[None].to(x.device))
-    doc = torch.zeros(R * L, dtype=torch.long)
+        return layer(x, cu_seqlens=CU.to(x.device), pos=segment_positions(CU, B * R * L).view(B, R * L).to(x.device))
+    doc = torch.zeros(B * R * L, dtype=torch.long)
     doc[CU[1:-1]] = 1
-    doc = doc.cumsum(0)
-    mask = (doc[:, None] == doc[None, :]) & torch.ones(R * L, R * L, dtype=torch.bool).tril()
-    return layer(x, mask=mask[None, None].to(x.device))
+    doc = doc.cumsum(0).view(B, R * L)
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(R * L, R * L, dtype=torch.bool).tril()
+    return layer(x, mask=mask[:, None].to(x.device))
 
 
 def _worker(rank: int, world: int, out) -> None:
@@ -88,6 +92,6 @@ def test_the_fold_matters(cp_results):
     the incoming state and the conv halo the test above would fail."""
     layer, x, _ = layer_and_inputs("kda")
     y = full_forward(layer, "kda", x)
-    alone = layer(x[:, L:2 * L], cu_seqlens=torch.tensor([0, L]), pos=torch.arange(L)[None])
-    assert rel_err(alone, y[:, L:2 * L]) > 1e-2
+    alone = layer(x[:1, L:2 * L], cu_seqlens=torch.tensor([0, L]), pos=torch.arange(L)[None])
+    assert rel_err(alone, y[:1, L:2 * L]) > 1e-2
     assert rel_err(cp_results["kda"]["y"][:, L:2 * L], y[:, L:2 * L]) < 1e-5
