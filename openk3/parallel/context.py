@@ -3,11 +3,13 @@
     y = kda_context_parallel(attn, x_local, cu_seqlens, group)    # a KimiDeltaAttention layer
     y = mla_context_parallel(attn, x_local, cu_seqlens, group)    # a GatedMLA layer
 
-Rank r of R holds tokens [r L, (r+1) L) of one packed row of R L tokens (B = 1, fla's varlen convention); every
-rank gets the *global* `cu_seqlens` (document starts over the whole row, cheap to share) and its own x [1, L, D].
-The result equals the layer's forward on the unsplit row, restricted to this rank's tokens, forward and backward.
+Rank r of R holds tokens [r L, (r+1) L) of each of B packed rows of R L tokens; every rank gets the *global*
+`cu_seqlens` (document starts over the flattened B R L tokens, every row start one of them: the model's convention;
+cheap to share) and its own x [B, L, D]. The result equals the layer's forward on the unsplit rows, restricted to
+this rank's tokens, forward and backward.
 This is the torch reference of the method (it runs on the CPU with gloo); on GPU fla's `cp_context` implements
-the same method in Triton [not wired here].
+the same method in Triton [not wired here]. `apply_context_parallel` (bottom) puts these forms into a whole model
+for the trainer's `--cp`: each rank holds a contiguous slice of every row of the batch (B rows, `local_rows`).
 
 KDA. The delta rule is affine in the incoming state: a segment maps S_in to S_out = M S_in + S_ext (M [K, K] per
 head, the product of the segment's transitions; S_ext [K, V] the state it builds from zero). One kernel call gives
@@ -27,6 +29,8 @@ to the whole row with the block-diagonal causal mask of the packed documents, sh
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -154,3 +158,77 @@ def packed_mask(cu_seqlens: Tensor, B: int, L: int, rank: int, world: int) -> Te
     rows = torch.arange(rank * L, (rank + 1) * L)
     cols = torch.arange(T)
     return ((doc[:, rows, None] == doc[:, None, :]) & (cols[None, None, :] <= rows[None, :, None]))[:, None]
+
+
+class ContextParallel:
+    """A model whose KDA and MLA layers run their context-parallel forms, applied from outside (torchtitan's way:
+    the model never knows). `apply_context_parallel(model, group)` builds it.
+
+        cp = apply_context_parallel(model, cp_group)
+        ids, labels, cu = local_rows(batch.input_ids, batch.labels, batch.cu_seqlens, cp.rank, cp.world)
+        with cp.packing(batch.cu_seqlens):      # this micro-batch's global packing, for forward AND backward
+            model(ids, labels=labels, cu_seqlens=cu).loss.backward()
+
+    Inside `packing` every token mixer ignores the packing the model derives from its local slice (its
+    cu_seqlens / pos / mask only know the slice) and runs `kda_context_parallel` / `mla_context_parallel` with the
+    global one. Outside it the mixers run their ordinary forward: validation, where every rank evaluates whole rows.
+    Everything else in a decoder layer (norms, AttnRes, MoE) is per token and needs nothing.
+    NOTE: the packing stays set through backward because activation checkpointing recomputes the mixers there."""
+
+    def __init__(self, model, group):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.cu_seqlens: Tensor | None = None  # the global packing while inside `packing`
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            # an instance attribute shadows the class's forward; nn.Module.__call__ (and so FSDP2's and
+            # checkpoint's hooks around it) runs it like the original
+            attn.forward = self._kda_forward(attn) if isinstance(attn, KimiDeltaAttention) else self._mla_forward(attn)
+
+    @contextlib.contextmanager
+    def packing(self, cu_seqlens: Tensor):
+        """Run the mixers context-parallel over rows packed as `cu_seqlens` (global, over the flattened B T
+        tokens) inside the block."""
+        self.cu_seqlens = cu_seqlens
+        try:
+            yield
+        finally:
+            self.cu_seqlens = None
+
+    def _kda_forward(self, attn: KimiDeltaAttention):
+        plain = attn.forward
+
+        def forward(x: Tensor, cu_seqlens: Tensor | None = None, pos: Tensor | None = None, state=None,
+                    keep_inputs: bool = False) -> Tensor:
+            if self.cu_seqlens is None:
+                return plain(x, cu_seqlens=cu_seqlens, pos=pos, state=state, keep_inputs=keep_inputs)
+            if state is not None:
+                raise ValueError("a decode cache cannot be combined with context parallelism")
+            return kda_context_parallel(attn, x, self.cu_seqlens, self.group)
+        return forward
+
+    def _mla_forward(self, attn: GatedMLA):
+        plain = attn.forward
+
+        def forward(x: Tensor, mask: Tensor | None = None, state=None, absorb: bool | None = None) -> Tensor:
+            if self.cu_seqlens is None:
+                return plain(x, mask=mask, state=state, absorb=absorb)
+            if state is not None:
+                raise ValueError("a decode cache cannot be combined with context parallelism")
+            return mla_context_parallel(attn, x, self.cu_seqlens, self.group)
+        return forward
+
+    def mla_keys(self, attn: GatedMLA, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Inside `packing`: the whole rows' latents [B, T, r + rope] and this rank's mask rows [B, 1, L, T], what
+        its queries attend to (QK-Clip's max logit needs every query-key pair); None outside."""
+        if self.cu_seqlens is None:
+            return None
+        B, L = x.shape[:2]
+        lat = torch.cat(all_gather(attn.latent(x), self.world, self.group), dim=1)
+        return lat, packed_mask(self.cu_seqlens, B, L, self.rank, self.world).to(x.device)
+
+
+def apply_context_parallel(model, group) -> ContextParallel:
+    """Wrap every token mixer of `model` (a K3ForCausalLM) for context parallelism over `group`; see
+    ContextParallel."""
+    return ContextParallel(model, group)

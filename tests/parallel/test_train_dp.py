@@ -134,7 +134,7 @@ def test_init_from_on_two_ranks_reads_only_the_shards(workdir, single, capfd):
 def test_dp_flag_errors_name_the_value(workdir, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--dp", "2"])
-    assert "--dp=2 --ep=1 needs 2 processes" in capsys.readouterr().err
+    assert "--dp=2 --ep=1 --cp=1 needs 2 processes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--nproc", "0"])
     assert "--nproc=0" in capsys.readouterr().err
@@ -146,7 +146,7 @@ def test_dp_flag_errors_name_the_value(workdir, capsys):
     assert "--ep=2 needs 2 processes" in capsys.readouterr().err
     for flags, message in ((["--nproc", "3"], "--batch-size=4 is the global batch and must be divisible by the 3"),
                            (["--nproc", "4", "--ep", "3"], "--ep=3 must be a positive divisor of the 4"),
-                           (["--nproc", "2", "--dp", "4"], "--dp=4 must equal the number of processes (2)")):
+                           (["--nproc", "2", "--dp", "4"], "--dp=4 x --cp=1 must equal the number of processes (2)")):
         with pytest.raises(SystemExit):  # checked before any process starts
             cli.main(argv(settings(workdir, "bad")) + flags)
         assert message in capsys.readouterr().err
