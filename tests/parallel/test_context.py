@@ -10,8 +10,10 @@ three boundaries. Awkward sizes throughout.
 import pytest
 import torch
 
-from openk3.model.model import GatedMLA, KimiDeltaAttention, segment_positions
-from openk3.parallel.context import kda_context_parallel, mla_context_parallel
+from openk3.model.model import GatedMLA, K3ForCausalLM, KimiDeltaAttention, segment_positions
+from openk3.parallel.context import apply_context_parallel, kda_context_parallel, local_rows, mla_context_parallel
+from openk3.train.data import IGNORE_INDEX
+from openk3.train.trainer import MLAMaxLogits, global_loss_share, sum_over_ranks
 from tests.helpers import rel_err
 from tests.parallel.dist import init_gloo, spawn
 from tests.train.test_train import small_config
@@ -63,8 +65,63 @@ def _worker(rank: int, world: int, out) -> None:
         for g in grads.values():  # parameters are replicated: their gradient is the sum over the segments
             torch.distributed.all_reduce(g)
         results[kind] = {"y": torch.cat(ys, 1), "dx": torch.cat(dxs, 1), "grads": grads}
+    results["model"] = _model_worker(rank, world)
     if rank == 0:
         torch.save(results, out)
+
+
+def model_and_batch():
+    """The small training model (2 KDA layers, 1 MLA, AttnRes, MoE) with its MLA queries scaled up (so QK-Clip's
+    max logits are not all alike), and a packed batch of B rows with CU's packing and some ignored labels."""
+    torch.manual_seed(7)
+    model = K3ForCausalLM(small_config())
+    model.reset_parameters(seed=7)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.q_b_proj.weight.mul_(30)
+    ids = torch.randint(0, model.config.vocab_size, (B, R * L))
+    labels = ids.roll(-1, 1)
+    labels[:, ::5] = IGNORE_INDEX
+    return model, ids, labels
+
+
+def _model_worker(rank: int, world: int) -> dict:
+    """The whole model under `apply_context_parallel`, as the trainer runs it (without FSDP: the parameter
+    gradients are summed here): the loss of every rank's slice weighted to the whole batch's mean."""
+    model, ids, labels = model_and_batch()
+    cp = apply_context_parallel(model, None)
+    max_logits = MLAMaxLogits(model, cp)
+    ids, labels, cu = local_rows(ids, labels, CU, rank, world)
+    with cp.packing(CU):
+        loss = model(ids, labels=labels, cu_seqlens=cu).loss
+        share = global_loss_share(labels, world)
+        (loss * share / world).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        torch.distributed.all_reduce(g)
+    maxima = max_logits.max_H[0].clone()  # this rank's queries; MLAMaxLogits.clip_ max-reduces over the ranks
+    torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+    with torch.no_grad():
+        plain = model(ids, labels=labels, cu_seqlens=cu).loss  # outside `packing`: the slice alone, as a model
+    return {"loss": sum_over_ranks(loss * share / world), "grads": grads, "max_logits": maxima,
+            "plain_loss": sum_over_ranks(plain * share / world)}
+
+
+def test_the_model_under_context_parallelism_equals_the_whole_rows(cp_results):
+    """`apply_context_parallel` on the whole model (KDA, MLA, AttnRes, MoE): loss, every parameter gradient and
+    QK-Clip's max logits per head equal one process on the unsplit rows; outside `packing` the mixers are the
+    ordinary ones (each slice alone: another loss)."""
+    model, ids, labels = model_and_batch()
+    max_logits = MLAMaxLogits(model)
+    loss = model(ids, labels=labels, cu_seqlens=CU).loss
+    loss.backward()
+    got = cp_results["model"]
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert abs(got["plain_loss"] - loss.item()) > 1e-3
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert rel_err(got["grads"][name], p.grad) < 1e-5, name
+    assert rel_err(got["max_logits"], max_logits.max_H[0]) < 1e-6
+    assert got["max_logits"].unique().numel() == got["max_logits"].numel() > 1
 
 
 @pytest.fixture(scope="module")
