@@ -7,8 +7,9 @@ Rank r of R holds tokens [r L, (r+1) L) of each of B packed rows of R L tokens; 
 `cu_seqlens` (document starts over the flattened B R L tokens, every row start one of them: the model's convention;
 cheap to share) and its own x [B, L, D]. The result equals the layer's forward on the unsplit rows, restricted to
 this rank's tokens, forward and backward.
-This is the torch reference of the method (it runs on the CPU with gloo); on GPU fla's `cp_context` implements
-the same method in Triton [not wired here]. `apply_context_parallel` (bottom) puts these forms into a whole model
+This is the torch reference of the method (it runs on the CPU with gloo); on GPU, where the KDA backend is fla,
+`kda_context_parallel` runs fla's `cp_context` (the same method in Triton) instead: `kda_context_parallel_fla`,
+compared with the torch fold by tests/parallel/test_gpu.py. `apply_context_parallel` (bottom) puts these forms into a whole model
 for the trainer's `--cp`: each rank holds a contiguous slice of every row of the batch (B rows, `local_rows`).
 
 KDA. The delta rule is affine in the incoming state: a segment maps S_in to S_out = M S_in + S_ext (M [K, K] per
@@ -94,23 +95,37 @@ def local_rows(input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, rank: int,
 def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
     """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's slice x [B, L, D] of every row
     (rows of R L tokens, `cu_seqlens` the global packing over the B R L tokens) -> [B, L, D] (see the module
-    docstring)."""
+    docstring). Where the device's KDA backend is fla (CUDA), fla's `cp_context` runs the delta rule
+    (`kda_context_parallel_fla`); elsewhere the torch fold (`kda_context_parallel_torch`, the reference)."""
+    if select_kda_backend(x.device).name == "fla":
+        return kda_context_parallel_fla(attn, x, cu_seqlens, group)
+    return kda_context_parallel_torch(attn, x, cu_seqlens, group)
+
+
+def _kda_inputs(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group):
+    """The delta rule's inputs of this rank's slice (conv with the previous rank's halo), and `_segment`'s view."""
     if x.dim() != 3:
         raise ValueError(f"context parallelism splits packed rows: x must be [B, L, D], got {tuple(x.shape)}")
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    B, L, W, H, K = x.shape[0], x.shape[1], attn.W, attn.H, attn.K
+    B, L, W = x.shape[0], x.shape[1], attn.W
     if L < W - 1:
         raise ValueError(f"each rank needs at least the conv halo of {W - 1} tokens, got {L}")
-    pos, local_cu, continues, first_piece = _segment(cu_seqlens, B, L, rank, R)
-    device = x.device
-
+    segment = _segment(cu_seqlens, B, L, rank, R)
     qkv = attn.qkv_proj(x)
     # the W-1 conv inputs before my slice: the previous rank's last ones (masked by pos where a document starts)
     halos = all_gather(qkv[:, -(W - 1):], R, group)
     # NOTE: every gathered tensor must stay in every rank's graph (rank 0's halo as zeros), else that rank skips
     # the all-gather's backward collective while the others wait in it
     tail = halos[rank - 1] if rank > 0 else 0 * halos[-1]
-    q, k, v, g, beta = attn.kernel_inputs(x, qkv, pos.to(device), tail)
+    return attn.kernel_inputs(x, qkv, segment[0].to(x.device), tail), segment
+
+
+def kda_context_parallel_torch(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`kda_context_parallel` by the torch fold of the module docstring, around the device's KDA chunk kernel."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, L, H, K = x.shape[0], x.shape[1], attn.H, attn.K
+    (q, k, v, g, beta), (_, local_cu, continues, first_piece) = _kda_inputs(attn, x, cu_seqlens, group)
+    device = x.device
 
     # one kernel call on [v | 0]: the state's extra K columns start at I for a row's continuing first piece
     pieces = local_cu.numel() - 1
@@ -132,6 +147,33 @@ def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor
         S_in = M @ S_in + S_ext if j < rank else S_in + 0 * pairs[j][..., :K]  # (the NOTE above)
     o = o_zero + torch.einsum("bthk,bhkv->bthv", readout, S_in)  # X_t = 0 after a document start
     return attn.output(o.to(q.dtype), x)
+
+
+def kda_context_parallel_fla(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`kda_context_parallel` with fla's own context parallelism for the delta rule (CUDA, NCCL; fla >= 0.6):
+    `chunk_kda(..., cp_context=build_cp_context(row's global cu_seqlens, group))` computes each rank's (M, S_ext)
+    over its chunks, all-gathers them, folds the earlier ranks' into its initial state and mirrors that in backward,
+    inside its Triton kernels. The conv and its halo stay openk3's (fla's CP conv is its own conv layer).
+    NOTE: fla's contiguous layout is one packed row split over the group, so each of the B rows is one call."""
+    from fla.ops.cp import build_cp_context
+    from fla.ops.kda import chunk_kda
+
+    from openk3.ops.kda.backend import _fla_arguments
+
+    R = dist.get_world_size(group)
+    B, L, K = x.shape[0], x.shape[1], attn.K
+    (q, k, v, g, beta), _ = _kda_inputs(attn, x, cu_seqlens, group)
+    cu = cu_seqlens.to(torch.long).cpu()
+    T = R * L
+    outs = []
+    for b in range(B):
+        row = cu[(cu >= b * T) & (cu <= (b + 1) * T)] - b * T  # this row's documents over its T tokens
+        context = build_cp_context(row.to(x.device), group=group or dist.group.WORLD, cu_seqlens_cpu=row)
+        args = _fla_arguments(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1], K ** -0.5, None, False,
+                              True, None)
+        o, _ = chunk_kda(**args, cp_context=context)
+        outs.append(o)
+    return attn.output(torch.cat(outs).to(q.dtype), x)
 
 
 def mla_context_parallel(attn: GatedMLA, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
