@@ -18,7 +18,7 @@ from openk3.parallel.fsdp import apply_fsdp
 from openk3.train import balance
 from openk3.train import optim
 from openk3.train.optim import Muon, newton_schulz_cost, owners_by_cost, qk_clip_mla_, shard_rows
-from tests.parallel.dist import init_gloo, spawn
+from tests.parallel.dist import init_gloo, spawn_results
 from tests.train.test_train import small_config
 
 
@@ -65,9 +65,7 @@ def _worker(rank: int, world: int, out) -> None:
 
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("collectives") / "results.pt"
-    spawn(2, _worker, out)
-    return torch.load(out, weights_only=True)
+    return spawn_results(2, _worker, tmp_path_factory.mktemp("collectives"))
 
 
 # awkward sizes: 9 and 5 rows do not split evenly over 2 ranks (FSDP2 pads the last shard)

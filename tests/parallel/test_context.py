@@ -15,7 +15,7 @@ from openk3.parallel.context import apply_context_parallel, kda_context_parallel
 from openk3.train.data import IGNORE_INDEX
 from openk3.train.trainer import MLAMaxLogits, global_loss_share, sum_over_ranks
 from tests.helpers import rel_err
-from tests.parallel.dist import init_gloo, spawn
+from tests.parallel.dist import init_gloo, spawn_results
 from tests.train.test_train import small_config
 
 R, L, B = 4, 11, 2
@@ -126,9 +126,7 @@ def test_the_model_under_context_parallelism_equals_the_whole_rows(cp_results):
 
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("cp") / "results.pt"
-    spawn(R, _worker, out)
-    return torch.load(out, weights_only=True)
+    return spawn_results(R, _worker, tmp_path_factory.mktemp("cp"))
 
 
 @pytest.mark.parametrize("kind", LAYERS)

@@ -28,7 +28,7 @@ from openk3.parallel.mesh import DistEnv, ParallelDims, build_mesh
 from openk3.train.optim import build_optimizer
 from tests.helpers import rel_err, rel_norm_err
 from tests.parallel import test_context as cp_case
-from tests.parallel.dist import init_nccl, spawn
+from tests.parallel.dist import init_nccl, spawn_results
 from tests.train.test_train import small_config
 
 pytestmark = pytest.mark.gpu
@@ -131,9 +131,7 @@ def _no_error(results: dict, part: str) -> None:
 def gpu_results(tmp_path_factory) -> dict:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    out = tmp_path_factory.mktemp("gpu") / "results.pt"
-    spawn(1, _worker, out)
-    return torch.load(out, weights_only=True)
+    return spawn_results(1, _worker, tmp_path_factory.mktemp("gpu"))
 
 
 def test_fsdp_world_1_equals_unsharded(gpu_results):
@@ -193,7 +191,6 @@ def test_fla_cp_context_equals_the_torch_fold(tmp_path):
     if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
         pytest.skip("needs CUDA and fla")
     world = 2 if torch.cuda.device_count() >= 2 else 1
-    spawn(world, _fla_cp_worker, tmp_path / "fla_cp.pt")
-    got = torch.load(tmp_path / "fla_cp.pt", weights_only=True)
+    got = spawn_results(world, _fla_cp_worker, tmp_path)
     print(f"fla cp_context vs the torch fold at world {world}: {got}")
     assert got["y"] < 2e-2 and got["dx"] < 2e-2 and got["grads"] < 2e-2, got
