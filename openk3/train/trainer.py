@@ -129,7 +129,8 @@ class TrainArgs:
     # used one core (the threads wait on each other). Raise it for bigger models.
     threads: int = 1
     progress: bool = True  # tqdm progress bar
-    # Data-parallel ranks (FSDP2) when run under torchrun / --nproc; None = every process. docs/parallel.md
+    # Data-parallel ranks when run under torchrun / --nproc (FSDP2 shards over dp x cp); None = processes / cp.
+    # docs/parallel.md
     dp: int | None = None
     ep: int = 1  # expert-parallel ranks inside the data x context-parallel ones (MoonEP, parallel/expert.py)
     cp: int = 1  # context-parallel ranks: each takes a contiguous slice of every row (parallel/context.py)
