@@ -3,11 +3,14 @@
     y = kda_context_parallel(attn, x_local, cu_seqlens, group)    # a KimiDeltaAttention layer
     y = mla_context_parallel(attn, x_local, cu_seqlens, group)    # a GatedMLA layer
 
-Rank r of R holds tokens [r L, (r+1) L) of one packed row of R L tokens (B = 1, fla's varlen convention); every
-rank gets the *global* `cu_seqlens` (document starts over the whole row, cheap to share) and its own x [1, L, D].
-The result equals the layer's forward on the unsplit row, restricted to this rank's tokens, forward and backward.
-This is the torch reference of the method (it runs on the CPU with gloo); on GPU fla's `cp_context` implements
-the same method in Triton [not wired here].
+Rank r of R holds tokens [r L, (r+1) L) of each of B packed rows of R L tokens; every rank gets the *global*
+`cu_seqlens` (document starts over the flattened B R L tokens, every row start one of them: the model's convention;
+cheap to share) and its own x [B, L, D]. The result equals the layer's forward on the unsplit rows, restricted to
+this rank's tokens, forward and backward.
+This is the torch reference of the method (it runs on the CPU with gloo); on GPU, where the KDA backend is fla,
+`kda_context_parallel` runs fla's `cp_context` (the same method in Triton) instead: `kda_context_parallel_fla`,
+compared with the torch fold by tests/parallel/test_gpu.py. `apply_context_parallel` (bottom) puts these forms into a whole model
+for the trainer's `--cp`: each rank holds a contiguous slice of every row of the batch (B rows, `local_rows`).
 
 KDA. The delta rule is affine in the incoming state: a segment maps S_in to S_out = M S_in + S_ext (M [K, K] per
 head, the product of the segment's transitions; S_ext [K, V] the state it builds from zero). One kernel call gives
@@ -27,6 +30,8 @@ to the whole row with the block-diagonal causal mask of the packed documents, sh
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -49,79 +54,223 @@ def all_gather(x: Tensor, world: int, group) -> list[Tensor]:
     return list(funcol.wait_tensor(out).chunk(world))
 
 
-def _segment(cu_seqlens: Tensor, L: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's view of the global packing: (positions inside the document [L], the local cu_seqlens [P+1]
-    of its document pieces, each global segment's "continues a document" flag [world])."""
+def _segment(cu_seqlens: Tensor, B: int, L: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """This rank's view of the global packing of B rows of world x L tokens each (cu_seqlens over the flattened
+    B world L tokens, every row start one of them): (positions inside the document [B, L], the local cu_seqlens
+    [P+1] of its document pieces over the flattened B L tokens, each row's "continues a document" flag of every
+    segment [B, world], the index of each row's first piece [B])."""
     cu = cu_seqlens.to(torch.long).cpu()
     T = L * world
-    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] <= cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to the whole row's {T} tokens ({world} ranks x "
-                         f"{L}), got {cu.tolist()}")
-    pos = segment_positions(cu, T)
-    start = rank * L
-    inner = cu[(cu > start) & (cu < start + L)] - start
-    local = torch.cat([torch.tensor([0]), inner, torch.tensor([L])])
-    continues = pos[torch.arange(world) * L] > 0
-    return pos[start:start + L], local, continues
+    row_starts = torch.arange(0, B * T, T)
+    if (int(cu[0]) != 0 or int(cu[-1]) != B * T or bool((cu[1:] <= cu[:-1]).any())
+            or not bool(torch.isin(row_starts, cu).all())):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to the {B} rows' {B * T} tokens ({world} ranks x "
+                         f"{L} a row) and contain every row start, got {cu.tolist()}")
+    pos = segment_positions(cu, B * T).view(B, T)
+    mine = pos[:, rank * L:(rank + 1) * L]
+    starts = mine == 0
+    starts[:, 0] = True  # a row's slice starts a piece even inside a document (the fold carries its state in)
+    flat = starts.flatten()
+    local = torch.cat([flat.nonzero()[:, 0], torch.tensor([B * L])])
+    first_piece = flat.cumsum(0)[torch.arange(B) * L] - 1
+    continues = pos[:, torch.arange(world) * L] > 0
+    return mine, local, continues, first_piece
+
+
+def local_rows(input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, rank: int, world: int
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """CP rank `rank`'s contiguous slice of every row of a packed batch: input_ids, labels [B, T] ->
+    [B, T / world] each, and the cu_seqlens of the slices as the model validates them (every row start, and every
+    document start inside the slices, over the flattened B T / world tokens). Labels were aligned before slicing,
+    so the last token of a slice keeps its target, the first token of the next slice."""
+    B, T = input_ids.shape
+    if T % world:
+        raise ValueError(f"rows of {T} tokens do not split into {world} equal context-parallel slices")
+    L = T // world
+    _, local, _, _ = _segment(cu_seqlens, B, L, rank, world)
+    cols = slice(rank * L, (rank + 1) * L)
+    return input_ids[:, cols], labels[:, cols], local.to(input_ids.device)
 
 
 def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
-    """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's segment x [1, L, D] -> [1, L, D]
-    (see the module docstring)."""
-    if x.dim() != 3 or x.shape[0] != 1:
-        raise ValueError(f"context parallelism splits one packed row: x must be [1, L, D], got {tuple(x.shape)}")
+    """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's slice x [B, L, D] of every row
+    (rows of R L tokens, `cu_seqlens` the global packing over the B R L tokens) -> [B, L, D] (see the module
+    docstring). Where the device's KDA backend is fla (CUDA), fla's `cp_context` runs the delta rule
+    (`kda_context_parallel_fla`); elsewhere the torch fold (`kda_context_parallel_torch`, the reference)."""
+    if select_kda_backend(x.device).name == "fla":
+        return kda_context_parallel_fla(attn, x, cu_seqlens, group)
+    return kda_context_parallel_torch(attn, x, cu_seqlens, group)
+
+
+def _kda_inputs(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group):
+    """The delta rule's inputs of this rank's slice (conv with the previous rank's halo), and `_segment`'s view."""
+    if x.dim() != 3:
+        raise ValueError(f"context parallelism splits packed rows: x must be [B, L, D], got {tuple(x.shape)}")
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    L, W, H, K = x.shape[1], attn.W, attn.H, attn.K
+    B, L, W = x.shape[0], x.shape[1], attn.W
     if L < W - 1:
         raise ValueError(f"each rank needs at least the conv halo of {W - 1} tokens, got {L}")
-    pos, local_cu, continues = _segment(cu_seqlens, L, rank, R)
-    device = x.device
-
+    segment = _segment(cu_seqlens, B, L, rank, R)
     qkv = attn.qkv_proj(x)
-    # the W-1 conv inputs before my segment: the previous rank's last ones (masked by pos where a document starts)
-    halos = all_gather(qkv[0, -(W - 1):], R, group)
+    # the W-1 conv inputs before my slice: the previous rank's last ones (masked by pos where a document starts)
+    halos = all_gather(qkv[:, -(W - 1):], R, group)
     # NOTE: every gathered tensor must stay in every rank's graph (rank 0's halo as zeros), else that rank skips
     # the all-gather's backward collective while the others wait in it
-    tail = (halos[rank - 1] if rank > 0 else 0 * halos[-1])[None]
-    q, k, v, g, beta = attn.kernel_inputs(x, qkv, pos.to(device)[None], tail)
+    tail = halos[rank - 1] if rank > 0 else 0 * halos[-1]
+    return attn.kernel_inputs(x, qkv, segment[0].to(x.device), tail), segment
 
-    # one kernel call on [v | 0]: the state's extra K columns start at I for a continuing first piece
+
+def kda_context_parallel_torch(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`kda_context_parallel` by the torch fold of the module docstring, around the device's KDA chunk kernel."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, L, H, K = x.shape[0], x.shape[1], attn.H, attn.K
+    (q, k, v, g, beta), (_, local_cu, continues, first_piece) = _kda_inputs(attn, x, cu_seqlens, group)
+    device = x.device
+
+    # one kernel call on [v | 0]: the state's extra K columns start at I for a row's continuing first piece
     pieces = local_cu.numel() - 1
     init = q.new_zeros(pieces, H, K, K + K, dtype=torch.float32)
-    if continues[rank]:
-        init[0, :, :, K:] = torch.eye(K, device=device)
+    init[first_piece[continues[:, rank]], :, :, K:] = torch.eye(K, device=device)
     v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
     kernel = select_kda_backend(device).chunk
-    o_aug, final = kernel(q, k, v_aug, g, beta, scale=K ** -0.5, initial_state=init, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, cu_seqlens=local_cu.to(device))
-    o_zero, readout = o_aug.float().split([K, K], dim=-1)  # [1, L, H, K] each; readout_t = X_t^T q_t
+    o_aug, final = kernel(*(t.flatten(0, 1)[None] for t in (q, k, v_aug, g, beta)), scale=K ** -0.5,
+                          initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          cu_seqlens=local_cu.to(device))
+    o_zero, readout = o_aug.float().view(B, L, H, K + K).split([K, K], dim=-1)  # readout_t = X_t^T q_t
 
-    # all-gather every segment's [S_ext | M] (fp32, [H, K, V + K]) and fold the earlier ones: S_in
-    pairs = all_gather(final[-1], R, group)
-    S_in = final.new_zeros(H, K, K)
+    # all-gather every row's [S_ext | M] of its last piece (fp32, [B, H, K, V + K]) and fold the earlier ones
+    last_piece = torch.cat([first_piece[1:] - 1, torch.tensor([pieces - 1])])
+    pairs = all_gather(final[last_piece.to(device)], R, group)
+    S_in = final.new_zeros(B, H, K, K)
     for j in range(R):
         S_ext, M = pairs[j].split([K, K], dim=-1)
         S_in = M @ S_in + S_ext if j < rank else S_in + 0 * pairs[j][..., :K]  # (the NOTE above)
-    o = o_zero + torch.einsum("bthk,hkv->bthv", readout, S_in)  # X_t = 0 after a document start
+    o = o_zero + torch.einsum("bthk,bhkv->bthv", readout, S_in)  # X_t = 0 after a document start
     return attn.output(o.to(q.dtype), x)
 
 
-def mla_context_parallel(attn: GatedMLA, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
-    """`attn(x_full, mask=the packed block-diagonal causal mask)` restricted to this rank's segment x [1, L, D]."""
-    if x.dim() != 3 or x.shape[0] != 1:
-        raise ValueError(f"context parallelism splits one packed row: x must be [1, L, D], got {tuple(x.shape)}")
-    R, rank = dist.get_world_size(group), dist.get_rank(group)
-    L = x.shape[1]
-    _segment(cu_seqlens, L, rank, R)  # validates the packing
+def kda_context_parallel_fla(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`kda_context_parallel` with fla's own context parallelism for the delta rule (CUDA, NCCL; fla >= 0.6):
+    `chunk_kda(..., cp_context=build_cp_context(row's global cu_seqlens, group))` computes each rank's (M, S_ext)
+    over its chunks, all-gathers them, folds the earlier ranks' into its initial state and mirrors that in backward,
+    inside its Triton kernels. The conv and its halo stay openk3's (fla's CP conv is its own conv layer).
+    NOTE: fla's contiguous layout is one packed row split over the group, so each of the B rows is one call."""
+    from fla.ops.cp import build_cp_context
+    from fla.ops.kda import chunk_kda
+
+    from openk3.ops.kda.backend import _fla_arguments
+
+    R = dist.get_world_size(group)
+    B, L, K = x.shape[0], x.shape[1], attn.K
+    (q, k, v, g, beta), _ = _kda_inputs(attn, x, cu_seqlens, group)
     cu = cu_seqlens.to(torch.long).cpu()
-    T = L * R
-    doc = torch.zeros(T, dtype=torch.long)
+    T = R * L
+    outs = []
+    for b in range(B):
+        row = cu[(cu >= b * T) & (cu <= (b + 1) * T)] - b * T  # this row's documents over its T tokens
+        context = build_cp_context(row.to(x.device), group=group or dist.group.WORLD, cu_seqlens_cpu=row)
+        args = _fla_arguments(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1], K ** -0.5, None, False,
+                              True, None)
+        o, _ = chunk_kda(**args, cp_context=context)
+        outs.append(o)
+    return attn.output(torch.cat(outs).to(q.dtype), x)
+
+
+def mla_context_parallel(attn: GatedMLA, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
+    """`attn(x_full, mask=the packed block-diagonal causal mask)` restricted to this rank's slice x [B, L, D] of
+    every row."""
+    if x.dim() != 3:
+        raise ValueError(f"context parallelism splits packed rows: x must be [B, L, D], got {tuple(x.shape)}")
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, L = x.shape[:2]
+    _segment(cu_seqlens, B, L, rank, R)  # validates the packing
+    lat = torch.cat(all_gather(attn.latent(x), R, group), dim=1)  # [B, T, r + rope]
+    o = attn.attend_expanded(attn.query(x), lat, packed_mask(cu_seqlens, B, L, rank, R).to(x.device), causal=False)
+    return attn.output(o, x)
+
+
+def packed_mask(cu_seqlens: Tensor, B: int, L: int, rank: int, world: int) -> Tensor:
+    """[B, 1, L, T] bool: which of its row's T = world L tokens each of this rank's L tokens attends to (same
+    document, not later): the rows of the packed block-diagonal causal mask that belong to this rank."""
+    T = L * world
+    cu = cu_seqlens.to(torch.long).cpu()
+    doc = torch.zeros(B * T, dtype=torch.long)
     doc[cu[1:-1]] = 1
-    doc = doc.cumsum(0)
-    q = attn.query(x)
-    lat = torch.cat(all_gather(attn.latent(x)[0], R, group))[None]  # [1, T, r + rope]
+    doc = doc.cumsum(0).view(B, T)
     rows = torch.arange(rank * L, (rank + 1) * L)
     cols = torch.arange(T)
-    mask = (doc[rows][:, None] == doc[None, :]) & (cols[None, :] <= rows[:, None])
-    o = attn.attend_expanded(q, lat, mask[None, None].to(x.device), causal=False)
-    return attn.output(o, x)
+    return ((doc[:, rows, None] == doc[:, None, :]) & (cols[None, None, :] <= rows[None, :, None]))[:, None]
+
+
+class ContextParallel:
+    """A model whose KDA and MLA layers run their context-parallel forms, applied from outside (torchtitan's way:
+    the model never knows). `apply_context_parallel(model, group)` builds it.
+
+        cp = apply_context_parallel(model, cp_group)
+        ids, labels, cu = local_rows(batch.input_ids, batch.labels, batch.cu_seqlens, cp.rank, cp.world)
+        with cp.packing(batch.cu_seqlens):      # this micro-batch's global packing, for forward AND backward
+            model(ids, labels=labels, cu_seqlens=cu).loss.backward()
+
+    Inside `packing` every token mixer ignores the packing the model derives from its local slice (its
+    cu_seqlens / pos / mask only know the slice) and runs `kda_context_parallel` / `mla_context_parallel` with the
+    global one. Outside it the mixers run their ordinary forward: validation, where every rank evaluates whole rows.
+    Everything else in a decoder layer (norms, AttnRes, MoE) is per token and needs nothing.
+    NOTE: the packing stays set through backward because activation checkpointing recomputes the mixers there."""
+
+    def __init__(self, model, group):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.cu_seqlens: Tensor | None = None  # the global packing while inside `packing`
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            # an instance attribute shadows the class's forward; nn.Module.__call__ (and so FSDP2's and
+            # checkpoint's hooks around it) runs it like the original
+            attn.forward = self._kda_forward(attn) if isinstance(attn, KimiDeltaAttention) else self._mla_forward(attn)
+
+    @contextlib.contextmanager
+    def packing(self, cu_seqlens: Tensor):
+        """Run the mixers context-parallel over rows packed as `cu_seqlens` (global, over the flattened B T
+        tokens) inside the block."""
+        self.cu_seqlens = cu_seqlens
+        try:
+            yield
+        finally:
+            self.cu_seqlens = None
+
+    def _kda_forward(self, attn: KimiDeltaAttention):
+        plain = attn.forward
+
+        def forward(x: Tensor, cu_seqlens: Tensor | None = None, pos: Tensor | None = None, state=None,
+                    keep_inputs: bool = False) -> Tensor:
+            if self.cu_seqlens is None:
+                return plain(x, cu_seqlens=cu_seqlens, pos=pos, state=state, keep_inputs=keep_inputs)
+            if state is not None:
+                raise ValueError("a decode cache cannot be combined with context parallelism")
+            return kda_context_parallel(attn, x, self.cu_seqlens, self.group)
+        return forward
+
+    def _mla_forward(self, attn: GatedMLA):
+        plain = attn.forward
+
+        def forward(x: Tensor, mask: Tensor | None = None, state=None, absorb: bool | None = None) -> Tensor:
+            if self.cu_seqlens is None:
+                return plain(x, mask=mask, state=state, absorb=absorb)
+            if state is not None:
+                raise ValueError("a decode cache cannot be combined with context parallelism")
+            return mla_context_parallel(attn, x, self.cu_seqlens, self.group)
+        return forward
+
+    def mla_keys(self, attn: GatedMLA, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Inside `packing`: the whole rows' latents [B, T, r + rope] and this rank's mask rows [B, 1, L, T], what
+        its queries attend to (QK-Clip's max logit needs every query-key pair); None outside."""
+        if self.cu_seqlens is None:
+            return None
+        B, L = x.shape[:2]
+        lat = torch.cat(all_gather(attn.latent(x), self.world, self.group), dim=1)
+        return lat, packed_mask(self.cu_seqlens, B, L, self.rank, self.world).to(x.device)
+
+
+def apply_context_parallel(model, group) -> ContextParallel:
+    """Wrap every token mixer of `model` (a K3ForCausalLM) for context parallelism over `group`; see
+    ContextParallel."""
+    return ContextParallel(model, group)

@@ -5,9 +5,13 @@
     dist_env = init_distributed("cpu")                           # gloo on CPU, NCCL on CUDA; None without torchrun
     mesh = build_mesh(dims, dist_env)                            # a 1-D mesh named "dp"
     ep_mesh = build_ep_mesh(ParallelDims(dp=4, ep=2), dist_env)  # ("dp_rep", "ep") = (2, 2), for --ep 2
+    cp_mesh = build_cp_mesh(ParallelDims(dp=2, cp=2), dist_env)  # ("dp", "cp") = (2, 2), for --cp 2
 
-The trainer applies data parallelism (FSDP2) over every rank (`dp` must equal the world size) and, with `--ep`,
-expert parallelism inside it. Context parallelism (context.py) is a standalone layer with its own process group.
+World = dp x cp. A CP group is cp consecutive ranks (rank = dp_rank x cp + cp_rank): its ranks read the same rows
+and each takes a contiguous slice of every row (context.py). FSDP2 shards over all dp x cp ranks (torchtitan's
+"dp_shard_cp"): the CP ranks compute on disjoint tokens exactly as data-parallel ranks do, so FSDP's gradient
+average over every rank, with the trainer's token-count loss weighting, is the gradient of the whole batch. With
+`--ep`, expert parallelism groups ep consecutive ranks of that same world.
 """
 
 from __future__ import annotations
@@ -38,25 +42,31 @@ class DistEnv:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The mesh description of `openk3 train --dp N --ep M`. dp = None means "every rank", the world size.
+    """The mesh description of `openk3 train --dp N --cp C --ep M`. dp = None means "the world size / cp".
 
-    Expert parallelism borrows its ranks from data parallelism (as torchtitan does): the dp ranks form dp / ep
-    groups of ep consecutive ranks; each group splits the routed experts, and the groups replicate one another."""
+    The world is dp x cp (context-parallel groups of cp consecutive ranks inside each data-parallel replica).
+    Expert parallelism borrows its ranks from the dp x cp ones (as torchtitan does): they form world / ep groups of
+    ep consecutive ranks; each group splits the routed experts, and the groups replicate one another."""
 
     dp: int | None = None
     ep: int = 1
+    cp: int = 1
 
     def resolve(self, world: int) -> ParallelDims:
         """These dims with dp filled in; a ValueError naming the flag when they do not fit `world`."""
-        dp = world if self.dp is None else self.dp
+        if self.cp < 1 or world % self.cp:
+            raise ValueError(f"--cp={self.cp} must be a positive divisor of the number of processes ({world})")
+        dp = world // self.cp if self.dp is None else self.dp
         if dp < 1:
             raise ValueError(f"--dp={dp}: must be a positive integer")
-        if dp != world:
-            raise ValueError(f"--dp={dp} must equal the number of processes ({world}): data parallelism (with "
-                             f"expert parallelism inside it) is the only mesh the trainer applies (docs/parallel.md)")
-        if self.ep < 1 or dp % self.ep:
-            raise ValueError(f"--ep={self.ep} must be a positive divisor of the {dp} data-parallel ranks")
-        return ParallelDims(dp=dp, ep=self.ep)
+        if dp * self.cp != world:
+            raise ValueError(f"--dp={dp} x --cp={self.cp} must equal the number of processes ({world}): data and "
+                             f"context parallelism (with expert parallelism inside them) are the mesh the trainer "
+                             f"applies (docs/parallel.md)")
+        if self.ep < 1 or world % self.ep:
+            raise ValueError(f"--ep={self.ep} must be a positive divisor of the {world} data x context-parallel "
+                             f"ranks")
+        return ParallelDims(dp=dp, ep=self.ep, cp=self.cp)
 
 
 def under_torchrun() -> bool:
@@ -82,15 +92,23 @@ def init_distributed(device_type: str) -> DistEnv | None:
 
 
 def build_mesh(dims: ParallelDims, env: DistEnv) -> DeviceMesh:
-    """The 1-D data-parallel mesh ("dp") over every rank."""
-    dims = dims.resolve(env.world)
-    return init_device_mesh(env.device.type, (dims.dp,), mesh_dim_names=("dp",))
+    """FSDP2's 1-D mesh ("dp") over every rank: the dp x cp ranks (see the module docstring)."""
+    dims.resolve(env.world)
+    return init_device_mesh(env.device.type, (env.world,), mesh_dim_names=("dp",))
 
 
 def build_ep_mesh(dims: ParallelDims, env: DistEnv) -> DeviceMesh:
-    """The 2-D mesh ("dp_rep", "ep") of shape (dp / ep, ep) over the same ranks: "ep" groups consecutive ranks."""
+    """The 2-D mesh ("dp_rep", "ep") of shape (world / ep, ep) over the same ranks: "ep" groups consecutive
+    ranks."""
     dims = dims.resolve(env.world)
-    return init_device_mesh(env.device.type, (dims.dp // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
+    return init_device_mesh(env.device.type, (env.world // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
+
+
+def build_cp_mesh(dims: ParallelDims, env: DistEnv) -> DeviceMesh:
+    """The 2-D mesh ("dp", "cp") of shape (dp, cp): "cp" groups consecutive ranks, which read the same rows
+    (`mesh["dp"].get_local_rank()` picks them) and split every row (`mesh["cp"]`'s group runs context.py)."""
+    dims = dims.resolve(env.world)
+    return init_device_mesh(env.device.type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
 
 
 def rows_of_rank(batch_size: int, rank: int, world: int) -> range:

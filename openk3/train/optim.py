@@ -30,13 +30,16 @@ Precision: parameters, gradients, momentum and AdamW moments stay in the paramet
 masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and torch.optim.Muon do.
 
 Sharded parameters (FSDP2 DTensors, openk3/parallel/fsdp.py): Newton-Schulz needs each whole matrix
-(or whole head block / expert slice), so `Muon.step` all-gathers the update of a sharded parameter
-(`full_tensor`), orthogonalises it, and keeps only this rank's shard of the result (a local slice, no
-communication). Momentum stays sharded. Every rank orthogonalises every such matrix [simple, redundant
-compute: world x the FLOPs of one process; spreading matrices over ranks is left out]. Expert stacks
-split by expert (FSDP2 rows of [E, F, D], or expert parallelism) are the exception: each shard holds
-whole experts, so each rank orthogonalises its own, with no gather. AdamW and QK-Clip act elementwise
-(per row), so they work on the shards directly.
+(or whole head block / expert slice). Each such parameter is assigned to one rank (`owners_by_cost`:
+largest Newton-Schulz cost first, to the least-loaded rank), and `orthogonalize_sharded` moves the
+work with two all-to-alls per step for all of them: every rank sends its rows of each update to the
+parameter's owner, the owner orthogonalises the whole parameter, and sends every rank its rows of the
+result back. So the Newton-Schulz FLOPs are divided by the world size (not repeated on every rank),
+and each rank receives about one whole update's worth instead of all of them (an all-gather). The
+updates travel in bf16, the dtype Newton-Schulz starts with: the bits are those of one process.
+Momentum stays sharded. Expert stacks split by expert (FSDP2 rows of [E, F, D], or expert
+parallelism) are the exception: each shard holds whole experts, so each rank orthogonalises its own,
+with no exchange. AdamW and QK-Clip act elementwise (per row), so they work on the shards directly.
 """
 
 import math
@@ -45,7 +48,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -143,8 +147,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        todo = []  # (parameter, group, update): every update first, so the sharded ones travel together
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
+            momentum = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -153,23 +158,111 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum)
-                if isinstance(update, DTensor) and _whole_matrices_per_shard(update, group["head_dim"]):
-                    local = update.to_local()  # an expert stack split by expert: each rank's experts are whole
-                    o_BRC = orthogonalize(local) if local.shape[0] else local
-                    o = DTensor.from_local(o_BRC, update.device_mesh, update.placements, run_check=False,
-                                           shape=update.shape, stride=update.stride())  # shards may be uneven
-                    rows_cols = update.shape[-2:]
-                else:
-                    full = update.full_tensor() if isinstance(update, DTensor) else update  # gathers a sharded one
-                    o_BRC = orthogonalize(matrix_blocks(full, group["head_dim"]))
-                    o = o_BRC.reshape(full.shape)
-                    if isinstance(update, DTensor):
-                        o = like_placements(o, update)
-                    rows_cols = o_BRC.shape[-2:]
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(o, alpha=-lr * rms_match_scale(*rows_cols))
+                todo.append((p, group, p.grad.lerp(buf, momentum)))
+        sharded = [i for i, (_, group, u) in enumerate(todo)
+                   if isinstance(u, DTensor) and not _whole_matrices_per_shard(u, group["head_dim"])]
+        orthogonal = dict(zip(sharded, orthogonalize_sharded([todo[i][2] for i in sharded],
+                                                             [todo[i][1]["head_dim"] for i in sharded])))
+        for i, (p, group, update) in enumerate(todo):
+            head_dim = group["head_dim"]
+            if i in orthogonal:
+                o = orthogonal[i]
+            elif isinstance(update, DTensor):
+                local = update.to_local()  # an expert stack split by expert: each rank's experts are whole
+                o_BRC = orthogonalize(local) if local.shape[0] else local
+                o = DTensor.from_local(o_BRC, update.device_mesh, update.placements, run_check=False,
+                                       shape=update.shape, stride=update.stride())  # shards may be uneven
+            else:
+                o = orthogonalize(matrix_blocks(update, head_dim)).reshape(update.shape)
+            lr = group["lr"]
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(o, alpha=-lr * rms_match_scale(*block_shape(update.shape, head_dim)))
         return loss
+
+
+def block_shape(shape: torch.Size, head_dim: int | None) -> tuple[int, int]:
+    """(rows, cols) of one of the matrices `matrix_blocks` cuts a parameter of this shape into."""
+    return tuple(matrix_blocks(torch.empty(shape, device="meta"), head_dim).shape[-2:])
+
+
+def newton_schulz_cost(shape: torch.Size, head_dim: int | None) -> int:
+    """Multiply-adds of `orthogonalize` on a parameter of this shape (its blocks), per iteration: with r <= c the
+    block's short and long side, X X^T (r r c), the quintic's Gram square (r r r) and its product with X (r r c)."""
+    blocks = matrix_blocks(torch.empty(shape, device="meta"), head_dim)
+    r, c = sorted(blocks.shape[-2:])
+    return blocks.shape[0] * r * r * (2 * c + r)
+
+
+def owners_by_cost(costs: list[int], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix: in decreasing cost (ties in list order), each goes to the rank
+    with the least work so far (ties: the lowest rank). Deterministic, so every rank computes the same plan."""
+    load = [0] * world
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[i] = min(range(world), key=lambda r: load[r])
+        load[owners[i]] += costs[i]
+    return owners
+
+
+def shard_rows(rows: int, world: int) -> list[int]:
+    """Rows each rank holds of a Shard(0) DTensor with `rows` rows (torch.chunk's split: ceil(rows / world) each
+    while they last, so the last ranks may hold fewer or none)."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+def orthogonalize_sharded(updates: list[DTensor], head_dims: list[int | None]) -> list[DTensor]:
+    """`orthogonalize(matrix_blocks(u.full_tensor(), head_dim))` of each row-sharded update, laid out like u, with
+    each parameter orthogonalised on one rank only (see the module docstring). Collective over the updates' 1-D
+    mesh (FSDP2's): every rank calls it with the same parameters in the same order. Two all-to-alls in all."""
+    if not updates:
+        return []
+    mesh = updates[0].device_mesh
+    for u in updates:
+        if u.device_mesh is not mesh or mesh.ndim != 1 or tuple(u.placements) != (Shard(0),):
+            raise ValueError(f"Muon's sharded Newton-Schulz takes FSDP2's layout, Shard(0) over one 1-D mesh; got "
+                             f"{tuple(u.placements)} on a {u.device_mesh.ndim}-D mesh")
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    owners = owners_by_cost([newton_schulz_cost(u.shape, h) for u, h in zip(updates, head_dims)], world)
+    rows = [shard_rows(u.shape[0], world) for u in updates]
+    row_numel = [u.shape[1:].numel() for u in updates]
+    local = [u.to_local() for u in updates]
+    for u, n, x in zip(updates, rows, local):
+        if x.shape[0] != n[me]:  # NOTE: shard_rows must agree with DTensor's own split
+            raise RuntimeError(f"a Shard(0) update of shape {tuple(u.shape)} holds {x.shape[0]} rows on rank {me}, "
+                               f"expected {n[me]}")
+    mine = [i for i, o in enumerate(owners) if o == me]
+
+    # 1. my rows of every update go to its owner; I receive every rank's rows of mine (bf16: what NS starts from)
+    send = torch.cat([local[i].bfloat16().flatten() for d in range(world) for i in range(len(updates))
+                      if owners[i] == d])
+    send_sizes = [sum(rows[i][me] * row_numel[i] for i in range(len(updates)) if owners[i] == d)
+                  for d in range(world)]
+    recv_sizes = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(world)]
+    recv = send.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    pieces = [list(chunk.split([rows[i][s] * row_numel[i] for i in mine]))
+              for s, chunk in enumerate(recv.split(recv_sizes))]
+    results = {}
+    for k, i in enumerate(mine):
+        full = torch.cat([pieces[s][k] for s in range(world)]).view(updates[i].shape)
+        results[i] = orthogonalize(matrix_blocks(full, head_dims[i])).reshape(full.shape)
+
+    # 2. every rank's rows of my results go back to it
+    send = torch.cat([results[i][sum(rows[i][:d]):sum(rows[i][:d + 1])].flatten() for d in range(world)
+                      for i in mine]) if mine else send.new_empty(0)
+    send_sizes = [sum(rows[i][d] * row_numel[i] for i in mine) for d in range(world)]
+    recv_sizes = [sum(rows[i][me] * row_numel[i] for i in range(len(updates)) if owners[i] == s)
+                  for s in range(world)]
+    recv = send.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    out = [None] * len(updates)
+    for s, chunk in enumerate(recv.split(recv_sizes)):
+        from_s = [i for i in range(len(updates)) if owners[i] == s]
+        for i, piece in zip(from_s, chunk.split([rows[i][me] * row_numel[i] for i in from_s])):
+            out[i] = DTensor.from_local(piece.view(local[i].shape), mesh, updates[i].placements, run_check=False,
+                                        shape=updates[i].shape, stride=updates[i].stride())
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,11 +56,12 @@ from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST
                                      find_checkpoint, load_for_inference, load_pretrained, save_pretrained)
 from openk3.model.model import GatedMLA, K3ForCausalLM
 from openk3.ops import select_kda_backend
+from openk3.parallel.context import ContextParallel, apply_context_parallel, local_rows
 from openk3.parallel.dcp import dcp_to_release_into, load_release_sharded, load_sharded, save_sharded
 from openk3.parallel.expert import apply_expert_parallel, finish_expert_gradients_
 from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_sharded_
-from openk3.parallel.mesh import (DistEnv, ParallelDims, build_ep_mesh, build_mesh, init_distributed, rows_of_rank,
-                                  under_torchrun)
+from openk3.parallel.mesh import (DistEnv, ParallelDims, build_cp_mesh, build_ep_mesh, build_mesh, init_distributed,
+                                  rows_of_rank, under_torchrun)
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
@@ -128,9 +129,11 @@ class TrainArgs:
     # used one core (the threads wait on each other). Raise it for bigger models.
     threads: int = 1
     progress: bool = True  # tqdm progress bar
-    # Data-parallel ranks (FSDP2) when run under torchrun / --nproc; None = every process. docs/parallel.md
+    # Data-parallel ranks when run under torchrun / --nproc (FSDP2 shards over dp x cp); None = processes / cp.
+    # docs/parallel.md
     dp: int | None = None
-    ep: int = 1  # expert-parallel ranks inside the data-parallel ones (MoonEP, parallel/expert.py)
+    ep: int = 1  # expert-parallel ranks inside the data x context-parallel ones (MoonEP, parallel/expert.py)
+    cp: int = 1  # context-parallel ranks: each takes a contiguous slice of every row (parallel/context.py)
     activation_checkpointing: bool = False  # recompute token mixers and dense MLPs in backward (parallel/fsdp.py)
     # FSDP2 mixed precision: parameters gathered in bf16 for compute, fp32 masters and gradient reduction, the
     # release's fp32 tensors kept fp32 (parallel/fsdp.py); instead of --dtype bf16's autocast
@@ -142,7 +145,7 @@ FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "init_from", "ba
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
-PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep")
+PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep", "cp")
 BALANCE_MODES = ("quantile", "sign", "none")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
@@ -197,6 +200,14 @@ def check_args(a: TrainArgs) -> None:
     if a.config not in PRESETS and not Path(a.config).is_file() and not Path(a.config, "config.json").is_file():
         raise ValueError(f"--config={a.config!r}: not a preset {sorted(PRESETS)} and no such config file")
     parse_seq_len_schedule(a.seq_len_schedule)
+
+
+def check_cp_lengths(a: TrainArgs) -> None:
+    """Every row length of the run (--seq-len and the --seq-len-schedule phases) splits into --cp equal slices."""
+    for length in [a.seq_len] + [length for length, _ in parse_seq_len_schedule(a.seq_len_schedule)]:
+        if length % a.cp:
+            raise ValueError(f"--cp={a.cp} splits every row into {a.cp} equal slices: the row length {length} "
+                             f"(--seq-len / --seq-len-schedule) must be divisible by it")
 
 
 def parse_seq_len_schedule(spec: str | None) -> list[tuple[int, int | None]]:
@@ -349,7 +360,8 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, 
                                 tokenizer: Tokenizer, args: TrainArgs, tokens: int, elapsed_s: float,
                                 main: bool) -> Path:
     """The data-parallel `save_checkpoint` (collective): every rank writes its model and optimizer shards into
-    `dcp/`; rank 0 adds the step's state (with every rank's data rows), the tokenizer, train_args.json, and the
+    `dcp/`; rank 0 adds the step's state (with every data-parallel rank's data rows: the first rank of each
+    context-parallel group of args.cp, whose ranks read the same rows), the tokenizer, train_args.json, and the
     model in the release layout (streamed from the DCP files, so `openk3 generate/eval` read it as any
     checkpoint), then renames the directory into place and moves `latest`, as `save_checkpoint` does."""
     ckpt_root = run_dir / CHECKPOINTS
@@ -369,7 +381,7 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, 
         tokenizer.save(tmp)
         write_json(tmp / ARGS_FILE, dataclasses.asdict(args))
         torch.save({"step": step, "tokens": tokens, "elapsed_s": elapsed_s,
-                    "data": {"rows": [r for rank_rows in rows for r in rank_rows]},
+                    "data": {"rows": [r for rank_rows in rows[::args.cp] for r in rank_rows]},
                     "rng": {"torch": torch.get_rng_state()}}, tmp / DIST_STATE)
         if final.exists():
             shutil.rmtree(final)
@@ -689,7 +701,9 @@ class MLAMaxLogits:
     fine at the sizes this trainer runs on one device, not at K3's 64K contexts, where the max belongs inside the
     attention kernel."""
 
-    def __init__(self, model: K3ForCausalLM):
+    def __init__(self, model: K3ForCausalLM, cp: ContextParallel | None = None):
+        """cp: the model's context parallelism, if any: its ranks' queries see keys of the whole row."""
+        self.cp = cp
         self.layers = [l.self_attn for l in model.model.layers if isinstance(l.self_attn, GatedMLA)]
         self.max_H = [None] * len(self.layers)
         for i, attn in enumerate(self.layers):
@@ -703,14 +717,16 @@ class MLAMaxLogits:
             B, T, _ = x.shape
             if mask is None:
                 mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+            keys = self.cp.mla_keys(attn, x) if self.cp is not None else None
+            lat, mask = keys if keys is not None else (attn.latent(x), mask)  # [B, S, r + rope], [B, 1, T, S]
             q = attn.query(x).float()  # [B, T, H, nope + rope]
-            c, k_pe = attn.latent(x).split([attn.r, attn.rope], dim=-1)
+            c, k_pe = lat.split([attn.r, attn.rope], dim=-1)
             k_nope = attn.kv_b_proj(c).float().unflatten(-1, (attn.H, attn.nope + attn.vd))[..., :attn.nope]
             k_pe = k_pe.float()
             maxima = []
             for h in range(attn.H):
                 k = torch.cat([k_nope[:, :, h], k_pe], dim=-1)  # [B, T, nope + rope]
-                logits = (q[:, :, h] @ k.mT) * attn.scale  # [B, T, T]
+                logits = (q[:, :, h] @ k.mT) * attn.scale  # [B, T, S]
                 maxima.append(logits.masked_fill(~mask[:, 0], float("-inf")).amax())
             step_max = torch.stack(maxima)
             self.max_H[i] = step_max if self.max_H[i] is None else torch.maximum(self.max_H[i], step_max)
@@ -803,16 +819,18 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     dist_env = init_distributed(args.device)  # None unless launched by torchrun (or `--nproc`)
     main = dist_env is None or dist_env.is_main
     if dist_env is not None:
-        ParallelDims(dp=args.dp, ep=args.ep).resolve(dist_env.world)
+        dims = ParallelDims(dp=args.dp, ep=args.ep, cp=args.cp).resolve(dist_env.world)
+        check_cp_lengths(args)
         device = dist_env.device
         if not main:  # NOTE: a torchrun worker: rank 0 alone prints and shows progress
             sys.stdout = open(os.devnull, "w")
             args = dataclasses.replace(args, progress=False)
     elif args.fsdp_bf16:
         raise ValueError("--fsdp-bf16 is FSDP2's mixed precision: it needs torchrun or --nproc N (N >= 2)")
-    elif args.dp not in (None, 1) or args.ep != 1:
-        n = args.dp if args.dp not in (None, 1) else args.ep
-        raise ValueError(f"--dp={args.dp} --ep={args.ep} needs {n} processes: add --nproc {n} or run under torchrun")
+    elif args.dp not in (None, 1) or args.ep != 1 or args.cp != 1:
+        n = max((args.dp or 1) * args.cp, args.ep)
+        raise ValueError(f"--dp={args.dp} --ep={args.ep} --cp={args.cp} needs {n} processes: add --nproc {n} or run "
+                         f"under torchrun")
     run_dir = run_dir_of(args, dist_env)
     args = dataclasses.replace(args, out=str(run_dir))
     latest = run_dir / CHECKPOINTS / LATEST
@@ -866,11 +884,16 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model.reset_parameters(seed=args.seed)
     if not sharded_init:
         model.to(device)
+    cp: ContextParallel | None = None
+    dp_rank = 0 if dist_env is None else dist_env.rank
+    if args.cp > 1:  # the token mixers' context-parallel forms, first (they only wrap forwards: parallel/__init__.py)
+        cp_mesh = build_cp_mesh(dims, dist_env)
+        cp = apply_context_parallel(model, cp_mesh["cp"].get_group())
+        dp_rank = cp_mesh["dp"].get_local_rank()
     if args.activation_checkpointing:  # before FSDP: torchtitan's order (parallel/__init__.py)
         apply_activation_checkpointing(model)
     expert_params, ep_mesh = [], None
-    if dist_env is not None:  # EP, then FSDP2 over the data-parallel ranks (parallel/); the optimizer sees the shards
-        dims = ParallelDims(dp=args.dp, ep=args.ep)
+    if dist_env is not None:  # EP, then FSDP2 over the dp x cp ranks (parallel/); the optimizer sees the shards
         if args.ep > 1:
             ep_mesh = build_ep_mesh(dims, dist_env)
             expert_params = apply_expert_parallel(model, ep_mesh)
@@ -885,10 +908,11 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     if vision:
         stream = synthetic.ImageTextStream(data.tokenizer, config, args.batch_size, args.seq_len, seed=args.seed)
     else:
+        # the ranks of a context-parallel group read the same rows (and each takes its slice of them)
         stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed,
-                            rows=None if dist_env is None else rows_of_rank(args.batch_size, dist_env.rank, world))
+                            rows=None if dist_env is None else rows_of_rank(args.batch_size, dp_rank, dims.dp))
     balancer = RouterBalancer(model, args.balance, args.qb_bins, args.sign_rate)
-    max_logits = MLAMaxLogits(model) if args.qk_clip is not None else None
+    max_logits = MLAMaxLogits(model, cp) if args.qk_clip is not None else None
     phases = parse_seq_len_schedule(args.seq_len_schedule)
 
     step, tokens_seen, elapsed_before = 0, 0, 0.0
@@ -917,8 +941,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     print(f"model: {args.config}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers; "
           f"QAT {'on' if qat else 'off'}; balance {args.balance}; device {device} {args.dtype}")
     if dist_env is not None:
-        print(f"  data parallel (FSDP2) over {world} ranks" + (f", experts split over groups of {args.ep} (MoonEP)"
-                                                              if expert_params else ""))
+        print(f"  data parallel (FSDP2) over {world} ranks"
+              + (f", context parallel in groups of {args.cp} (every row split in {args.cp})" if cp else "")
+              + (f", experts split over groups of {args.ep} (MoonEP)" if expert_params else ""))
     kda_backend = select_kda_backend(device)
     print(f"  {kda_backend}")
     if kda_backend.name == "fla":
@@ -949,19 +974,23 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             # AttnRes weights are recorded on the last micro-batch of logged steps only (a cheap extra output).
             record_attnres = log_now and micro == args.grad_accum - 1
             batch = next(stream).to(device)
-            with autocast(args.dtype, device):
-                out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
-                            loss_chunk=args.loss_chunk, record=True, record_attnres=record_attnres,
-                            **image_inputs(batch))
-            # data parallel: this rank's share of the global batch's mean loss (FSDP averages the gradients)
-            share = 1.0 if dist_env is None else global_loss_share(batch.labels, world)
-            (out.loss * share / args.grad_accum).backward()
+            ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
+            if cp is not None:  # this rank's slice of every row; the mixers see the global packing
+                ids, labels, cu_seqlens = local_rows(ids, labels, cu_seqlens, cp.rank, cp.world)
+            with contextlib.nullcontext() if cp is None else cp.packing(batch.cu_seqlens):
+                with autocast(args.dtype, device):
+                    out = model(ids, labels=labels, cu_seqlens=cu_seqlens, loss_chunk=args.loss_chunk, record=True,
+                                record_attnres=record_attnres, **image_inputs(batch))
+                # data (and context) parallel: this rank's share of the global batch's mean loss over all its
+                # predicted tokens (FSDP averages the gradients over all ranks), so the loss is the whole rows'
+                share = 1.0 if dist_env is None else global_loss_share(labels, world)
+                (out.loss * share / args.grad_accum).backward()
             loss_sum += out.loss.item() if dist_env is None else sum_over_ranks(out.loss.detach() * share / world)
             balancer.after_forward(out.router)
             if record_attnres:
                 attnres = out.attnres
-            tokens_seen += batch.input_ids.numel() * world
-            interval_tokens += batch.input_ids.numel() * world
+            tokens_seen += ids.numel() * world
+            interval_tokens += ids.numel() * world
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         if expert_params:  # gradients on two meshes: FSDP's and the experts'
             finish_expert_gradients_(expert_params, ep_mesh, world)
@@ -1126,10 +1155,13 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp-bf16", action="store_true", default=None,
                    help="data parallel: FSDP2 computes with bf16 copies of the parameters (fp32 masters, fp32 "
                         "gradient reduction), instead of --dtype bf16's autocast")
-    p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; must equal the number of processes "
-                                          "[all of them]")
-    p.add_argument("--ep", type=int, help="expert-parallel ranks (MoonEP) inside the data-parallel ones; must divide "
-                                          "--dp and the number of experts [1]")
+    p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; --dp x --cp must equal the number of "
+                                          "processes [processes / --cp]")
+    p.add_argument("--cp", type=int, help="context-parallel ranks: each takes a contiguous slice of every row "
+                                          "(KDA fold, MLA latent all-gather); must divide the processes and "
+                                          "--seq-len [1]")
+    p.add_argument("--ep", type=int, help="expert-parallel ranks (MoonEP) inside the dp x cp ones; must divide "
+                                          "the number of processes and the number of experts [1]")
     p.set_defaults(fn=cmd_train, parser=p)
 
     p = sub.add_parser("eval")
@@ -1155,8 +1187,9 @@ def cmd_train(ns: argparse.Namespace) -> None:
 
         # the settings' errors here, once, before N processes would each report them
         check_args(args)
-        ParallelDims(dp=args.dp, ep=args.ep).resolve(ns.nproc)
-        rows_of_rank(args.batch_size, 0, ns.nproc)
+        dims = ParallelDims(dp=args.dp, ep=args.ep, cp=args.cp).resolve(ns.nproc)
+        check_cp_lengths(args)
+        rows_of_rank(args.batch_size, 0, dims.dp)
         run_torchrun(ns.nproc, "train", argv_from_namespace(ns.parser, ns, skip={"nproc"}))
         return
     train(args, resume=ns.resume)

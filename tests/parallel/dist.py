@@ -1,6 +1,7 @@
 """Run a function on a gloo process group of N CPU processes spawned from inside pytest.
 
-    results = spawn(2, worker, tmp_path, extra)   # worker(rank, world, tmp_path, extra) in each process
+    spawn(2, worker, tmp_path, extra)              # worker(rank, world, tmp_path, extra) in each process
+    results = spawn_results(2, worker, tmp_path)   # worker(rank, world, out): rank 0 torch.saves its results to out
 
 Each call gets its own free port. Workers return results through files (rank 0 usually writes them): spawned
 processes share nothing with the test process.
@@ -9,6 +10,7 @@ processes share nothing with the test process.
 import os
 import socket
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,14 @@ def spawn(world: int, fn, *args, timeout_s: float = 300) -> None:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"{fn.__name__} on {world} processes did not finish within {timeout_s} s")
+
+
+def spawn_results(world: int, fn, folder, *, weights_only: bool = True):
+    """spawn(world, fn, out) with out a file in `folder` that fn's rank 0 torch.saves its results to; returns them
+    (the module-scoped fixtures' pattern: one spawn of a test group, its results read by every test)."""
+    out = Path(folder) / f"{fn.__name__}.pt"
+    spawn(world, fn, out)
+    return torch.load(out, weights_only=weights_only)
 
 
 def init_gloo() -> None:

@@ -16,8 +16,9 @@ from torch.distributed.tensor import DTensor
 from openk3.model.model import K3ForCausalLM
 from openk3.parallel.fsdp import apply_fsdp
 from openk3.train import balance
-from openk3.train.optim import Muon, qk_clip_mla_
-from tests.parallel.dist import init_gloo, spawn
+from openk3.train import optim
+from openk3.train.optim import Muon, newton_schulz_cost, owners_by_cost, qk_clip_mla_, shard_rows
+from tests.parallel.dist import init_gloo, spawn_results
 from tests.train.test_train import small_config
 
 
@@ -64,9 +65,7 @@ def _worker(rank: int, world: int, out) -> None:
 
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("collectives") / "results.pt"
-    spawn(2, _worker, out)
-    return torch.load(out, weights_only=True)
+    return spawn_results(2, _worker, tmp_path_factory.mktemp("collectives"))
 
 
 # awkward sizes: 9 and 5 rows do not split evenly over 2 ranks (FSDP2 pads the last shard)
@@ -103,21 +102,44 @@ def _sharded_muon() -> dict:
     model, grads = toy_and_grads()
     fully_shard(model)
     assert isinstance(model.a.weight, DTensor)
-    muon_steps(model, grads)
-    return {n: p.full_tensor() for n, p in model.named_parameters()}
+    shapes = []  # the blocks this rank orthogonalised
+    exchanges = []
+    orthogonalize, all_to_all = optim.orthogonalize, dist.all_to_all_single
+    optim.orthogonalize = lambda m, *a: shapes.append(tuple(m.shape)) or orthogonalize(m, *a)
+    dist.all_to_all_single = lambda *a, **k: exchanges.append(1) or all_to_all(*a, **k)
+    try:
+        muon_steps(model, grads)
+    finally:
+        optim.orthogonalize, dist.all_to_all_single = orthogonalize, all_to_all
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, shapes)
+    return {"weights": {n: p.full_tensor() for n, p in model.named_parameters()}, "shapes": every_rank,
+            "exchanges": len(exchanges)}
 
 
 def test_muon_on_sharded_parameters_equals_unsharded(sharded_results):
     """Muon's update of FSDP2-sharded matrices (whole matrix and Per-Head blocks, uneven shards) is the one-process
-    update exactly: the gathered update is orthogonalised whole and each rank keeps its rows. An expert stack's
-    shards hold whole experts and are orthogonalised where they are: also exact."""
+    update exactly, with each sharded matrix orthogonalised on one rank only (the costlier `a` on rank 0, the three
+    head blocks on rank 1) and two all-to-alls a step. An expert stack's shards hold whole experts and are
+    orthogonalised where they are (2 experts on rank 0, 1 on rank 1): also exact."""
     model, grads = toy_and_grads()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     muon_steps(model, grads)
     sharded = sharded_results["muon"]
     for n, p in model.named_parameters():
         assert not torch.equal(p, before[n])
-        assert torch.equal(sharded[n], p.detach()), n
+        assert torch.equal(sharded["weights"][n], p.detach()), n
+    steps = 3
+    assert sharded["shapes"] == [[(1, 5, COLS), (2, 4, COLS)] * steps, [(HEADS, HEAD_ROWS, COLS), (1, 4, COLS)] * steps]
+    assert sharded["exchanges"] == 2 * steps
+
+
+def test_newton_schulz_owners_balance_the_cost():
+    # in decreasing cost to the least-loaded rank: 5 -> 0, 4 -> 1, 3 -> 1 (4 < 5), 2 -> 0 (5 < 7), 1 -> 0 (a tie)
+    assert owners_by_cost([5, 1, 4, 2, 3], 2) == [0, 0, 1, 0, 1]
+    costs = [newton_schulz_cost(torch.Size(s), h) for s, h in (((5, COLS), None), ((HEADS * HEAD_ROWS, COLS), HEAD_ROWS))]
+    assert costs == [5 * 5 * (2 * COLS + 5), HEADS * HEAD_ROWS ** 2 * (2 * COLS + HEAD_ROWS)]
+    assert shard_rows(9, 2) == [5, 4] and shard_rows(5, 4) == [2, 2, 1, 0] and shard_rows(2, 4) == [1, 1, 0, 0]
 
 
 def _qk_clip_inputs():

@@ -8,7 +8,7 @@ from openk3.ops.moe import moe_experts_loop
 from openk3.ops.situ import situ_glu
 from openk3.parallel.expert import PLANS, ep_moe_experts, home_rank, load_imbalance, plan_slots
 from tests.helpers import rel_err
-from tests.parallel.dist import init_gloo, spawn
+from tests.parallel.dist import init_gloo, spawn_results
 
 R, S, K, E, D, F = 4, 13, 3, 8, 8, 12  # awkward: 13 tokens a rank, 39 slots; D, F multiples of 4 (grouped mm)
 ROUTERS = ("balanced", "skewed")
@@ -58,9 +58,7 @@ def _worker(rank: int, world: int, out) -> None:
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ep") / "results.pt"
-    spawn(R, _worker, out)
-    return torch.load(out, weights_only=False)
+    return spawn_results(R, _worker, tmp_path_factory.mktemp("ep"), weights_only=False)
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -2,6 +2,9 @@
 
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/parallel/test_gpu.py
 
+`test_fla_cp_context_equals_the_torch_fold` runs on 2 GPUs when there are 2 (else on 1): fla's `cp_context`
+(`kda_context_parallel_fla`) against openk3's torch fold, forward and backward.
+
 One spawned NCCL process runs: FSDP2 training steps against the unsharded model, FSDP2 with the bf16 parameter
 policy (fp32 islands kept), MoonEP / plain EP against the loop MoE, and KDA / MLA context parallelism (KDA through
 fla when it is installed) against the unsplit row. It writes relative errors; the tests check them.
@@ -23,9 +26,9 @@ from openk3.parallel.expert import PLANS, ep_moe_experts
 from openk3.parallel.fsdp import apply_fsdp
 from openk3.parallel.mesh import DistEnv, ParallelDims, build_mesh
 from openk3.train.optim import build_optimizer
-from tests.helpers import rel_err
+from tests.helpers import rel_err, rel_norm_err
 from tests.parallel import test_context as cp_case
-from tests.parallel.dist import init_nccl, spawn
+from tests.parallel.dist import init_nccl, spawn_results
 from tests.train.test_train import small_config
 
 pytestmark = pytest.mark.gpu
@@ -81,10 +84,14 @@ def _ep(dev: torch.device) -> dict:
     return res
 
 
-def _cp(dev: torch.device) -> dict:
+def _fla_config():
     # fla's kernels as in training: bf16 inputs and KDA heads of 64 (the fla tests' shape)
-    config = small_config().replace(linear_attn_config={"num_heads": 2, "head_dim": 64, "kda_layers": [1, 2],
-                                                        "full_attn_layers": [3]})
+    return small_config().replace(linear_attn_config={"num_heads": 2, "head_dim": 64, "kda_layers": [1, 2],
+                                                      "full_attn_layers": [3]})
+
+
+def _cp(dev: torch.device) -> dict:
+    config = _fla_config()
     res = {}
     for kind in cp_case.LAYERS:
         layer, x, _ = cp_case.layer_and_inputs(kind, config)
@@ -95,12 +102,16 @@ def _cp(dev: torch.device) -> dict:
     return res
 
 
-def _worker(rank: int, world: int, out) -> None:
-    init_nccl()
+def _fix_fla() -> None:
     if importlib.util.find_spec("fla") is not None:  # three candidates a kernel, not minutes of autotuning
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
         from fla_fixed import fix_fla_configs
         fix_fla_configs()
+
+
+def _worker(rank: int, world: int, out) -> None:
+    init_nccl()
+    _fix_fla()
     dev = torch.device("cuda", 0)
     env = DistEnv(rank, world, 0, dev)
     res = {}
@@ -120,9 +131,7 @@ def _no_error(results: dict, part: str) -> None:
 def gpu_results(tmp_path_factory) -> dict:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    out = tmp_path_factory.mktemp("gpu") / "results.pt"
-    spawn(1, _worker, out)
-    return torch.load(out, weights_only=True)
+    return spawn_results(1, _worker, tmp_path_factory.mktemp("gpu"))
 
 
 def test_fsdp_world_1_equals_unsharded(gpu_results):
@@ -146,3 +155,42 @@ def test_expert_parallel_world_1(gpu_results, key):
 def test_context_parallel_world_1(gpu_results, kind):
     _no_error(gpu_results, "cp")
     assert gpu_results[f"cp_{kind}"] < 2e-2  # bf16 through fla's kernels, the fold in fp32, against the whole row
+
+
+def _fla_cp_worker(rank: int, world: int, out) -> None:
+    """Each rank's slice of test_context's two packed rows through fla's cp_context and through the torch fold (with
+    fla's chunk kernel inside): the worst relative error over the ranks of the output, the input gradient and every
+    parameter gradient."""
+    import torch.distributed as dist
+
+    from openk3.parallel.context import kda_context_parallel_fla, kda_context_parallel_torch
+
+    init_nccl()
+    _fix_fla()
+    dev = torch.device("cuda", rank)
+    layer, x, dy = cp_case.layer_and_inputs("kda", _fla_config())
+    layer, x, dy = layer.to(dev, torch.bfloat16), x.to(dev, torch.bfloat16), dy.to(dev, torch.bfloat16)
+    L = x.shape[1] // world
+    cols = slice(rank * L, (rank + 1) * L)
+    got = {}
+    for name, fn in (("fla", kda_context_parallel_fla), ("torch", kda_context_parallel_torch)):
+        layer.zero_grad()
+        xr = x[:, cols].clone().requires_grad_()
+        y = fn(layer, xr, cp_case.CU)
+        (y.float() * dy[:, cols].float()).sum().backward()
+        got[name] = (y.detach(), xr.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})
+    (y_f, dx_f, g_f), (y_t, dx_t, g_t) = got["fla"], got["torch"]
+    errs = torch.tensor([rel_err(y_f, y_t), rel_norm_err(dx_f, dx_t),
+                         max(rel_norm_err(g_f[n], g_t[n]) for n in g_t)], device=dev)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # parameter gradients: each rank's share of the sum
+    if rank == 0:
+        torch.save({"y": float(errs[0]), "dx": float(errs[1]), "grads": float(errs[2]), "world": world}, out)
+
+
+def test_fla_cp_context_equals_the_torch_fold(tmp_path):
+    if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
+        pytest.skip("needs CUDA and fla")
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    got = spawn_results(world, _fla_cp_worker, tmp_path)
+    print(f"fla cp_context vs the torch fold at world {world}: {got}")
+    assert got["y"] < 2e-2 and got["dx"] < 2e-2 and got["grads"] < 2e-2, got

@@ -19,7 +19,7 @@ import torch
 from openk3 import cli
 from openk3.model.checkpoint import load_for_inference
 from openk3.parallel.dcp import dcp_config, dcp_model_metas, read_dcp_tensor
-from openk3.train.trainer import DCP_DIR, TrainArgs, train
+from openk3.train.trainer import DCP_DIR, DIST_STATE, TrainArgs, train
 from tests.helpers import rel_norm_err
 from tests.train.test_train import make_workdir
 
@@ -64,7 +64,7 @@ def dcp_weights(ckpt: Path) -> dict:
             for n, (shape, dtype) in dcp_model_metas(src, dcp_config(src)).items()}
 
 
-def assert_same_run(got: dict, weights: dict, single) -> None:
+def assert_same_run(got: dict, weights: dict, single, weight_tol: float = 1e-2) -> None:
     ref, ref_weights = single
     assert len(got["loss"]) == len(ref["loss"]) == STEPS  # rank 0 alone logs: one line per step
     for key in ("loss", "grad_norm"):
@@ -76,7 +76,7 @@ def assert_same_run(got: dict, weights: dict, single) -> None:
             assert not weights[name].any(), name
             continue
         bias = name.endswith("e_score_correction_bias")
-        assert rel_norm_err(weights[name], w) < (0.1 if bias else 1e-2), name
+        assert rel_norm_err(weights[name], w) < (0.1 if bias else weight_tol), name
     assert any(n.endswith("e_score_correction_bias") and ref_weights[n].abs().sum() > 0 for n in ref_weights)
 
 
@@ -131,10 +131,32 @@ def test_init_from_on_two_ranks_reads_only_the_shards(workdir, single, capfd):
     assert got["grad_norm"] == pytest.approx(metrics(workdir / "init1")["grad_norm"], rel=2e-5)
 
 
+@pytest.mark.slow
+def test_context_parallel_runs_equal_one_process_and_resume(workdir, single, capfd):
+    """`--nproc 4 --dp 2 --cp 2` (2 data-parallel replicas, each row split over a context-parallel pair: the
+    KDA fold and the MLA latent gather across the split, packed documents crossing it) stops after step 2; the DCP
+    checkpoint resumes on `--nproc 2 --cp 2 --ep 2` (the whole batch on one CP pair, which also splits the experts):
+    the losses, gradient norms and final weights are those of the uninterrupted one-process run."""
+    s = settings(workdir, "cp")
+    cli.main(argv(s) + ["--nproc", "4", "--dp", "2", "--cp", "2", "--stop-at", "2"])
+    run = Path(s["out"])
+    assert "context parallel in groups of 2" in capfd.readouterr().out
+    saved = torch.load(run / "checkpoints/step_000002" / DIST_STATE, weights_only=True)
+    assert len(saved["data"]["rows"]) == 4  # each row once, not once per rank of its CP group
+    cli.main(["train", "--out", str(run), "--resume", "--no-progress", "--nproc", "2", "--cp", "2", "--ep", "2"])
+    out = capfd.readouterr().out
+    assert "context parallel in groups of 2" in out and "experts split over groups of 2" in out
+    # NOTE: the weights' tolerance is twice the data-parallel runs': the CP ranks' partial gradients add a third
+    # summation order (measured: 1.2e-2 relative norm for one MLA o_proj, every other matrix below 1e-2), which
+    # Muon's bf16 Newton-Schulz amplifies as in the module docstring; losses and gradient norms keep the tight
+    # tolerances
+    assert_same_run(metrics(run), dcp_weights(run / "checkpoints/step_000004"), single, weight_tol=2e-2)
+
+
 def test_dp_flag_errors_name_the_value(workdir, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--dp", "2"])
-    assert "--dp=2 --ep=1 needs 2 processes" in capsys.readouterr().err
+    assert "--dp=2 --ep=1 --cp=1 needs 2 processes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--nproc", "0"])
     assert "--nproc=0" in capsys.readouterr().err
@@ -143,10 +165,18 @@ def test_dp_flag_errors_name_the_value(workdir, capsys):
     assert "--fsdp-bf16 is FSDP2's mixed precision: it needs torchrun" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(argv(settings(workdir, "bad")) + ["--ep", "2"])
-    assert "--ep=2 needs 2 processes" in capsys.readouterr().err
+    assert "--ep=2 --cp=1 needs 2 processes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(argv(settings(workdir, "bad")) + ["--cp", "2"])
+    assert "--cp=2 needs 2 processes: add --nproc 2" in capsys.readouterr().err
     for flags, message in ((["--nproc", "3"], "--batch-size=4 is the global batch and must be divisible by the 3"),
                            (["--nproc", "4", "--ep", "3"], "--ep=3 must be a positive divisor of the 4"),
-                           (["--nproc", "2", "--dp", "4"], "--dp=4 must equal the number of processes (2)")):
+                           (["--nproc", "2", "--dp", "4"], "--dp=4 x --cp=1 must equal the number of processes (2)"),
+                           (["--nproc", "4", "--cp", "3"], "--cp=3 must be a positive divisor of the number of "
+                                                           "processes (4)"),
+                           (["--nproc", "4", "--dp", "1", "--cp", "2"], "--dp=1 x --cp=2 must equal the number"),
+                           (["--nproc", "2", "--cp", "2", "--seq-len-schedule", "16:2,33"],
+                            "the row length 33 (--seq-len / --seq-len-schedule) must be divisible by it")):
         with pytest.raises(SystemExit):  # checked before any process starts
             cli.main(argv(settings(workdir, "bad")) + flags)
         assert message in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""Muon's Newton-Schulz divided over the ranks: the per-rank plan and the time of one `Muon` step on FSDP2 shards.
+
+    python bench/parallel_muon.py --preset tiny --world 2          # CPU, gloo: 1 process unsharded vs 2 FSDP2 ranks
+    python bench/parallel_muon.py --preset k3-1b --plan-only        # the plan alone (meta device, nothing allocated)
+
+Plan: every Muon parameter that FSDP2 splits across rows of its matrices (all of them except the expert stacks,
+whose shards hold whole experts) is assigned to one rank by `optim.owners_by_cost`; the table gives, for world sizes
+2, 4 and 8, the busiest rank's Newton-Schulz multiply-adds against the ideal total / world. Timing: the same random
+gradients, `Muon.step` (the Muon groups only: AdamW is elementwise) timed over `--steps` steps after one warm-up,
+in one process on the whole model and on `--world` gloo ranks on FSDP2 shards (the slowest rank's time).
+Prints a table, writes JSON (bench/results/parallel_muon_<preset>.json), and states the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from openk3.config import get_config  # noqa: E402
+from openk3.model import K3ForCausalLM  # noqa: E402
+from openk3.parallel.fsdp import apply_fsdp  # noqa: E402
+from openk3.parallel.mesh import DistEnv, ParallelDims, build_mesh  # noqa: E402
+from openk3.train.optim import build_optimizer, model_head_dims, newton_schulz_cost, owners_by_cost  # noqa: E402
+
+
+def plan_balance(preset: str, worlds=(2, 4, 8)) -> list[dict]:
+    """Busiest rank's NS cost / (total / world) of the row-sharded Muon matrices of `preset`."""
+    config = get_config(preset)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    opt = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(config))
+    muon = opt.optimizers[0]
+    costs = []
+    for group in muon.param_groups:
+        for p in group["params"]:
+            if not (p.ndim == 3 and group["head_dim"] is None):  # expert stacks: whole experts a shard, no plan
+                costs.append(newton_schulz_cost(p.shape, group["head_dim"]))
+    rows = []
+    for world in worlds:
+        owners = owners_by_cost(costs, world)
+        load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+        rows.append({"world": world, "matrices": len(costs), "max_over_ideal": max(load) / (sum(costs) / world)})
+    return rows
+
+
+def muon_step_seconds(model: K3ForCausalLM, steps: int) -> float:
+    opt = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config))
+    muon = opt.optimizers[0]
+    params = [p for g in muon.param_groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        full = torch.randn(p.shape, generator=gen)
+        p.grad = (torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements)
+                  if isinstance(p, torch.distributed.tensor.DTensor) else full)
+    muon.step()  # warm-up: momentum buffers
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        muon.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def _rank(rank: int, world: int, port: int, preset: str, steps: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_config(preset))
+    apply_fsdp(model, build_mesh(ParallelDims(), DistEnv(rank, world, rank, torch.device("cpu"))))
+    seconds = torch.tensor(muon_step_seconds(model, steps))
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"seconds": float(seconds)}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result = {"preset": args.preset, "hardware": f"{platform.processor() or platform.machine()}, "
+                                                  f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
+              "plan": plan_balance(args.preset)}
+    print(f"{args.preset}: Newton-Schulz plan over the row-sharded Muon matrices")
+    print("| world | matrices | busiest rank / ideal |\n|---|---|---|")
+    for row in result["plan"]:
+        print(f"| {row['world']} | {row['matrices']} | {row['max_over_ideal']:.3f} |")
+    if not args.plan_only:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        one = muon_step_seconds(K3ForCausalLM(get_config(args.preset)), args.steps)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        tmp = Path(f"/tmp/parallel_muon_{os.getpid()}.json")
+        mp.start_processes(_rank, args=(args.world, port, args.preset, args.steps, str(tmp)), nprocs=args.world,
+                           start_method="spawn")
+        sharded = json.loads(tmp.read_text())["seconds"]
+        tmp.unlink()
+        result.update(one_process_s=one, world=args.world, sharded_s=sharded)
+        print(f"Muon.step, 1 thread a process: {one * 1e3:.0f} ms in one process, {sharded * 1e3:.0f} ms on "
+              f"{args.world} FSDP2 ranks (slowest rank)")
+    out = Path(args.out or Path(__file__).parent / "results" / f"parallel_muon_{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"hardware: {result['hardware']}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
