@@ -256,8 +256,9 @@ class KimiDeltaAttention(nn.Module):
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
     # context-parallel kernel.
     def qkv_proj(self, x: Tensor) -> Tensor:
-        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side)."""
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side). One matmul with the three
+        weights stacked (a copy of the weights, not of the far larger activations)."""
+        return F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
 
     def kernel_inputs(self, x: Tensor, qkv: Tensor, pos: Tensor | None,
                       tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
