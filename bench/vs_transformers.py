@@ -236,6 +236,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=0, help="openk3's chunked loss (tokens per chunk), 0 = off")
     ap.add_argument("--profile", action="store_true", help="profile one extra step of every run (top ops -> JSON)")
+    ap.add_argument("--skip-logits", action="store_true", help="skip the fp32 logits comparison")
+    ap.add_argument("--fla-fixed-configs", action="store_true",
+                    help="autotune fla kernels over at most 3 candidates (bench/fla_fixed.py): minutes less on a "
+                         "fresh machine, lightly tuned kernels")
     ap.add_argument("--dump-fla-configs", default=None,
                     help="after the runs, write fla's tuned kernel configs here (openk3/ops/kda/tuned.py)")
     ap.add_argument("--out", default="bench/results/vs_transformers_train.json")
@@ -243,6 +247,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     kda = select_kda_backend("cuda")  # first: it points fla at the shipped kernel configs before fla is imported
+    if args.fla_fixed_configs:
+        from fla_fixed import fix_fla_configs
+        n = fix_fla_configs(("fla.ops.kda", "fla.modules.causal_conv1d", "fla.modules.norm.fused_norm_gate",
+                             "fla.modules.activations", "fla.modules.norm.l2norm"))
+        print(f"fla: {n} kernels keep at most 3 candidate configs (bench/fla_fixed.py)")
     hw = torch.cuda.get_device_name(0)
     args.peak = PEAK_BF16.get(hw, 989e12)
     config = get_config(args.config)
@@ -252,6 +261,7 @@ def main() -> None:
     result = {"hardware": f"{hw}, torch {torch.__version__}, {platform.python_version()}",
               "command": " ".join(sys.argv), "config": {"name": args.config, **count_params(config)},
               "batch": [args.batch_size, args.seq_len], "kda_backend": str(kda),
+              "fla_fixed_configs": args.fla_fixed_configs,
               "moe_backend": select_moe_backend("cuda", torch.bfloat16).reason, "runs": {}}
     try:
         import transformers
@@ -276,7 +286,7 @@ def main() -> None:
         with torch.device("cuda"):
             save_pretrained(K3ForCausalLM(config), ckpt)
         free()
-        if transformers is not None and "transformers" in runs:
+        if transformers is not None and "transformers" in runs and not args.skip_logits:
             result["logits_fp32"] = compare_logits(ckpt, config.vocab_size)
             print("fp32 logits, openk3 vs transformers:", result["logits_fp32"], flush=True)
             save()
