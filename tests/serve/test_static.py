@@ -1,0 +1,168 @@
+"""The fast decode path (openk3/serve/static.py): the static step against the general decode path for ragged batches
+whose requests join and leave, the batched device sampler against the per-row reference, and (on CUDA) the
+CUDA-graph step against the eager one."""
+
+import random
+
+import pytest
+import torch
+
+from openk3.serve.runner import ModelRunner
+from openk3.serve.sampler import (SamplingParams, batch_filtered_probs, counter_uniform, filtered_probs,
+                                  sample_batch)
+from openk3.serve.static import batch_bucket, page_bucket
+from tests.helpers import rel_err
+from tests.serve.test_cache import small_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [1, 2, 4, 8, 16, 32, 64, 128, 192]
+    assert [page_bucket(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
+
+
+def ragged_decode(model, runners, graphs_runner=None, steps=14, seed=0, tol=1e-5):
+    """Drive a general runner (reference) and fast runners through the same schedule: prompts prefilled at B = 1,
+    joining the batch at different steps, leaving when their budget runs out (so the batch crosses buckets and
+    the page tables grow across page buckets). Every step, each fast runner's logits equal the reference's."""
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    ref, fast = runners[0], runners[1:]
+    plan = [(step, rng.randint(1, 11), rng.randint(2, 9)) for step in (0, 0, 0, 1, 3, 3, 4, 6, 8)]
+    live = []  # per running request: (last token, steps left, [seq per runner])
+    sizes = set()
+    with torch.inference_mode():
+        for step in range(steps):
+            for join_at, n, budget in plan:
+                if join_at != step:
+                    continue
+                prompt = [rng.randrange(V) for _ in range(n)]
+                seqs = []
+                for r in runners:
+                    seq = r_seq(r, n + 16)
+                    states = r.new_states()
+                    logits = r.forward([seq], states, [prompt], logits_to_keep=1)
+                    r.join(states)
+                    seqs.append(seq)
+                live.append([int(logits[0, -1].argmax()), budget, seqs])
+            if not live:
+                continue
+            sizes.add(len(live))
+            tokens = [x[0] for x in live]
+            want = ref.forward([x[2][0] for x in live], ref.kda, [[t] for t in tokens])[:, -1]
+            for i, r in enumerate(fast, start=1):
+                n = len(live)
+                got, logp, finite, logits = r.decode([x[2][i] for x in live], tokens, [GREEDY] * n, [0] * n,
+                                                     [0] * n, with_logits=True)
+                assert rel_err(logits.cpu(), want.cpu()) < tol, (step, i)
+                assert got == want.argmax(-1).tolist() and all(finite)
+                lp = torch.log_softmax(want, -1).gather(1, torch.tensor(got, device=want.device)[:, None])[:, 0]
+                assert max(abs(a - b) for a, b in zip(logp, lp.tolist())) < 1e-4
+            for x, t in zip(live, want.argmax(-1).tolist()):
+                x[0], x[1] = t, x[1] - 1
+            stay = [b for b, x in enumerate(live) if x[1] > 0]
+            for i, r in enumerate(runners):
+                for b, x in enumerate(live):
+                    if b not in stay:
+                        x[2][i].free(r.pool)
+                r.keep_rows(stay)
+            live = [live[b] for b in stay]
+    assert len(sizes) >= 4  # the batch really grew and shrank across buckets
+    for r in fast:
+        assert sorted(r.slots.free) == list(range(1, len(r.slots.recurrent[0]) if r.slots.recurrent else 1))
+        for rec in r.slots.recurrent:  # the scratch slot of the padding rows stayed the zero state
+            assert rec[0].abs().max() == 0
+        assert r.pool.storage[0].abs().max() == 0  # and so did the zero page
+    return sizes
+
+
+def r_seq(runner, tokens):
+    from openk3.serve.cache import PagedSeq
+    need = runner.pool.pages_for(tokens)
+    runner.pool.reserve(need)
+    return PagedSeq(reserved=need)
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_static_step_equals_the_general_decode_path(family):
+    model = small_model(family, seed=3)
+    runners = [ModelRunner(model, num_pages=200, page_size=4),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8)]
+    ragged_decode(model, runners)
+
+
+def test_batched_sampler_greedy_is_argmax():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0)) * 3
+    B = logits.shape[0]
+    zeros = torch.zeros(B, dtype=torch.float64)
+    for greedy_only in (True, False):
+        tokens, logprobs = sample_batch(logits, zeros, torch.zeros(B, dtype=torch.long), torch.ones(B),
+                                        torch.arange(B), torch.arange(B), greedy_only=greedy_only)
+        assert tokens.tolist() == logits.argmax(-1).tolist()
+        want = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        assert rel_err(logprobs, want) < 1e-6
+
+
+def test_batched_filtered_probs_equal_the_per_row_reference():
+    """Per-row temperature / top-k / top-p (off, tiny, extreme values included) give filtered_probs row by row."""
+    g = torch.Generator().manual_seed(1)
+    V = 37
+    rows = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+            SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.5, top_k=9, top_p=0.6),
+            SamplingParams(temperature=1e-300), SamplingParams(temperature=2.0, top_p=1e-6),
+            SamplingParams(temperature=1.0, top_k=V + 4)]
+    logits = torch.randn(len(rows), V, generator=g) * 4
+    got = batch_filtered_probs(logits, torch.tensor([p.temperature for p in rows], dtype=torch.float64),
+                               torch.tensor([p.top_k for p in rows]), torch.tensor([p.top_p for p in rows]))
+    for b, p in enumerate(rows):
+        want = filtered_probs(logits[b], p)
+        assert rel_err(got[b], want) < 1e-6, p
+        assert torch.equal(got[b] > 0, want > 0), p
+
+
+def test_batched_sampler_mixes_greedy_and_sampled_rows_and_samples_the_distribution():
+    """Greedy rows (temperature 0) sit next to sampled rows in one call; the sampled rows' draws over many token
+    indices follow the filtered distribution (and never leave its support)."""
+    g = torch.Generator().manual_seed(2)
+    V, draws = 12, 4000
+    logits = torch.randn(3, V, generator=g) * 1.5
+    temperature = torch.tensor([0.0, 0.9, 0.0], dtype=torch.float64)
+    top_k, top_p = torch.tensor([0, 6, 3]), torch.tensor([1.0, 0.9, 0.5])
+    seed = torch.tensor([5, 6, 7])
+    counts = torch.zeros(V)
+    for i in range(0, draws, 500):  # many token indices at once: rows are (seed, counter) pairs
+        n = 500
+        rows = torch.tensor([1] * n)
+        tokens, _ = sample_batch(logits[rows], temperature[rows], top_k[rows], top_p[rows], seed[rows],
+                                 torch.arange(i, i + n))
+        counts += torch.bincount(tokens, minlength=V).float()
+    p = batch_filtered_probs(logits, torch.tensor([1.0, 0.9, 1.0], dtype=torch.float64), top_k, top_p)[1]
+    assert counts[p == 0].sum() == 0
+    assert (counts / draws - p).abs().max() < 0.03
+    tokens, _ = sample_batch(logits, temperature, top_k, top_p, seed, torch.zeros(3, dtype=torch.long))
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_counter_uniform_depends_only_on_the_row():
+    seed, counter = torch.tensor([3, 9, 3, -4]), torch.tensor([0, 0, 1, 2 ** 40])
+    u = counter_uniform(seed, counter, 1000)
+    assert ((u > 0) & (u < 1)).all()
+    assert torch.equal(counter_uniform(seed[2:3], counter[2:3], 1000)[0], u[2])  # the batch around it is irrelevant
+    assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    assert abs(u.mean().item() - 0.5) < 0.02
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_cuda_graph_step_equals_eager_step_and_the_general_path(family):
+    """On CUDA: the captured step, the eager static step and the general path agree for ragged batches with requests
+    joining and leaving (fp32 weights, so the tolerance is fp32's)."""
+    model = small_model(family, seed=3).cuda()
+    runners = [ModelRunner(model, num_pages=200, page_size=4),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8, graphs=True)]
+    ragged_decode(model, runners, tol=1e-4)
+    assert runners[2].decoder.counters["graph_replays"] > 0
