@@ -19,7 +19,8 @@ names and config.json, which transformers' `KimiLinearForCausalLM` loads. Then, 
                     32K-token sequences that fits in the device memory left after the weights.
 
 The JSON (`--out`, default bench/results/vs_transformers_decode.json) is rewritten atomically after every part, so
-a run cut short still leaves the parts it finished. `--parts` picks parts, `--quick` uses fewer and smaller sizes.
+a run cut short still leaves the parts it finished; a later run of the same config, dtype and GPU keeps the parts it
+does not rerun, so one benchmark may be split into several runs by `--parts`. `--quick` uses fewer, smaller sizes.
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def load_transformers(ckpt: Path, args):
 
 def engine_for(model, args, batch: int, draft=None, **kw) -> Engine:
     pages = kw.pop("num_pages", None) or args.pool_pages
+    fast = {"auto": None, "fast": True, "general": False}[args.decode_path]
     return Engine(model, EngineConfig(page_size=args.page_size, num_pages=pages, max_batch=batch,
-                                      prefill_chunk=args.prefill_chunk, **kw), draft=draft)
+                                      prefill_chunk=args.prefill_chunk, fast_decode=fast, **kw), draft=draft)
 
 
 # ------------------------------------------------------------------------------------------ parts
@@ -180,7 +182,7 @@ def part_decode(model, hf, args, rng) -> dict:
         out[str(B)] = row
         hf_rate = f"{row['transformers_tokens_per_s']:10.1f}" if hf is not None else f"{'-':>10s}"
         print(f"  batch {B:3d}: transformers {hf_rate} tok/s   openk3 {row['openk3_tokens_per_s']:10.1f} tok/s "
-              f"(first run with captures {first:.2f} s)", flush=True)
+              f"(first run, with any graph captures: {first:.2f} s)", flush=True)
         del engine
     return out
 
@@ -317,6 +319,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=None)
     p.add_argument("--draft-k", type=int, nargs="+", default=[2, 4])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fla-fixed-configs", action="store_true",
+                   help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
+    p.add_argument("--decode-path", choices=("auto", "fast", "general"), default="auto",
+                   help="the engine's decode path: its default (fast on CUDA), or forced [auto]")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")
@@ -340,11 +346,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.fla_fixed_configs:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from fla_fixed import fix_fla_configs
+        print(f"fla autotuning cut: {fix_fla_configs()} kernels keep at most 3 candidates (bench/fla_fixed.py)")
     rng = random.Random(args.seed)
     results = {"hardware": hardware(args.device), "config": args.config, "dtype": args.dtype,
                "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "device")}}
     results["settings"]["device"] = str(args.device)
+    if args.out.is_file():  # parts of an earlier run of the same model stay (runs may be split by part)
+        old = json.loads(args.out.read_text())
+        if (old.get("config"), old.get("dtype"), old.get("hardware", {}).get("gpu")) == \
+                (args.config, args.dtype, results["hardware"].get("gpu")):
+            results = {**{k: v for k, v in old.items() if k in PARTS}, **results}
     print(f"hardware: {results['hardware']}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)

@@ -27,6 +27,9 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
     assert data["prefix_hit_ttft"]["cached_tokens"] > 0 and data["prefix_hit_ttft"]["same_first_token"]
     assert data["speculative"]["k=2"]["greedy_output_equal"]
     assert data["memory"]["max_batch_32k"] > 0
+    main(["--config", "tiny", "--skip-transformers", "--out", str(out), "--parts", "memory", *SMALL])
+    again = json.loads(out.read_text())
+    assert again["decode"] == data["decode"]  # a run of other parts keeps the earlier run's parts
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers (the bench extra) is absent")
