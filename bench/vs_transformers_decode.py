@@ -127,7 +127,8 @@ def engine_for(model, args, batch: int, draft=None, **kw) -> Engine:
     pages = kw.pop("num_pages", None) or args.pool_pages
     fast = {"auto": None, "fast": True, "general": False}[args.decode_path]
     return Engine(model, EngineConfig(page_size=args.page_size, num_pages=pages, max_batch=batch,
-                                      prefill_chunk=args.prefill_chunk, fast_decode=fast, **kw), draft=draft)
+                                      prefill_chunk=args.prefill_chunk, fast_decode=fast,
+                                      compile_decode=args.compile_decode, **kw), draft=draft)
 
 
 # ------------------------------------------------------------------------------------------ parts
@@ -163,9 +164,10 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
 def part_decode(model, hf, args, rng) -> dict:
     out = {}
     V = model.config.vocab_size
+    # one engine for every batch size (max_batch is only a cap), so its CUDA graphs (and compiled step) are built once
+    engine = engine_for(model, args, max(args.batch_sizes), prefix_cache=False)
     for B in args.batch_sizes:
         prompts = random_prompts(B, args.prompt_len, V, rng)
-        engine = engine_for(model, args, B, prefix_cache=False)
         first, _ = timed_engine_run(engine, prompts, args.decode_tokens, args.device)  # warm-up: graph captures
         seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
         n = sum(len(r.output) for r in reqs)
@@ -183,7 +185,6 @@ def part_decode(model, hf, args, rng) -> dict:
         hf_rate = f"{row['transformers_tokens_per_s']:10.1f}" if hf is not None else f"{'-':>10s}"
         print(f"  batch {B:3d}: transformers {hf_rate} tok/s   openk3 {row['openk3_tokens_per_s']:10.1f} tok/s "
               f"(first run, with any graph captures: {first:.2f} s)", flush=True)
-        del engine
     return out
 
 
@@ -321,6 +322,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fla-fixed-configs", action="store_true",
                    help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
+    p.add_argument("--compile-decode", action="store_true", help="torch.compile the fast path's decode step")
     p.add_argument("--decode-path", choices=("auto", "fast", "general"), default="auto",
                    help="the engine's decode path: its default (fast on CUDA), or forced [auto]")
     args = p.parse_args(argv)

@@ -65,7 +65,8 @@ class EngineConfig:
     `num_draft_tokens`: tokens a draft model proposes per speculative round.
     `fast_decode`: decode through the static step (static.py, docs/engine.md "Fast decode path": KDA slot pool,
     fixed-width page tables, batched device sampler); None = on CUDA only. `cuda_graphs`: capture that step as
-    CUDA graphs per batch bucket; None = whenever the fast path runs on CUDA."""
+    CUDA graphs per batch bucket; None = whenever the fast path runs on CUDA. `compile_decode`: torch.compile that
+    step first (fast path only; off by default: not yet measured on a GPU)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -77,6 +78,7 @@ class EngineConfig:
     num_draft_tokens: int = 4
     fast_decode: bool | None = None
     cuda_graphs: bool | None = None
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch", "prefill_chunk", "hash_interval", "num_draft_tokens"):
@@ -162,7 +164,11 @@ class Engine:
             raise ValueError(f"EngineConfig.cuda_graphs=True needs the fast decode path on CUDA (fast_decode="
                              f"{config.fast_decode}, model on {device})")
         slots = config.max_batch if self.fast else None
-        self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs)
+        if config.compile_decode and not self.fast:
+            raise ValueError("EngineConfig.compile_decode=True compiles the fast decode path's step; it needs "
+                             f"fast_decode (fast_decode={config.fast_decode}, model on {device})")
+        self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
+                                  compile=config.compile_decode)
         self.model, self.pool = self.target.model, self.target.pool
         self.device, self.dtype = self.target.device, self.target.dtype
         self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None

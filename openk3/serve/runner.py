@@ -39,15 +39,16 @@ class ModelRunner:
     no batch statistics; `recomputed` checks torch.is_grad_enabled(), not the mode)."""
 
     def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int, slots: int | None = None,
-                 graphs: bool = False):
+                 graphs: bool = False, compile: bool | str = False):
         """slots: run the fast decode path with a KDA slot pool for that many running sequences (None: the
-        general path); graphs: capture its steps as CUDA graphs (CUDA only)."""
+        general path); graphs: capture its steps as CUDA graphs (CUDA only); compile: torch.compile the step
+        first (True, or a torch.compile backend name; `StaticDecoder`)."""
         self.model = model
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
         self.slots = SlotPool(model.config, slots, self.device, self.dtype) if slots is not None else None
-        self.decoder = StaticDecoder(model, self.pool, self.slots, graphs) if slots is not None else None
+        self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile) if slots is not None else None
         self.rows: list[int] = []  # fast path: the slot of each row of the decode batch
         self.kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
         if self.slots is not None:
