@@ -68,8 +68,9 @@ def sync(device: torch.device) -> None:
 def build_checkpoint(args, workdir: Path) -> tuple[K3ForCausalLM, Path, dict]:
     """The seeded random model, written once; the engine then runs what was loaded back from it."""
     config = get_config(args.config)
-    torch.manual_seed(args.seed)
-    model = K3ForCausalLM(config)
+    with torch.device("meta"):  # built once, on the device (reset_parameters draws on the CPU and copies in)
+        model = K3ForCausalLM(config)
+    model.to_empty(device=args.device)
     model.reset_parameters(seed=args.seed)
     ckpt = workdir / "checkpoint"
     save_pretrained(model.cast(DTYPES[args.dtype]), ckpt)
