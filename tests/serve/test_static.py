@@ -219,3 +219,31 @@ def test_compiled_static_step_equals_the_general_decode_path():
                ModelRunner(model, num_pages=200, page_size=4, slots=8, compile="eager")]
     ragged_decode(model, runners, steps=8)
     assert runners[1].decoder.counters["static_steps"] == 8
+
+
+def test_nan_state_fails_only_its_request_on_the_fast_path():
+    """A NaN in one running request's KDA slot gives that row non-finite logits: the request alone ends with
+    finish_reason "error"; the others decode exactly as without it, and a request that later takes the freed slot
+    starts from its own clean state."""
+    from openk3.serve.engine import Engine, EngineConfig
+
+    model = small_model("k3", seed=5)
+    cfg = EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=16, fast_decode=True,
+                       prefix_cache=False)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())
+    clean = [r.output for r in Engine(model, cfg).generate(prompts, params)]
+    engine = Engine(model, cfg)
+    reqs = [engine.submit(p, params) for p in prompts]
+    while len(engine.running) < 3:
+        engine.step()
+    engine.step()
+    slot = engine.target.rows[engine.running.index(reqs[1])]
+    engine.target.slots.recurrent[0][slot] = float("nan")
+    while engine.has_work():
+        engine.step()
+    assert reqs[1].finish_reason == "error" and "NaN" in reqs[1].error
+    assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
+    assert engine.generate([prompts[1]], params)[0].output == clean[1]  # the NaN slot is clean for its next user
+    assert engine.pool.reserved == 0 and not engine.running and len(engine.target.slots.free) == 4
+    assert engine.counters["finished"] == 4  # each request ended once
