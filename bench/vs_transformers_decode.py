@@ -51,6 +51,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # ------------------------------------------------------------------------------------------ setup
 
+def fix_fla_configs() -> int:
+    """bench/fla_fixed.py's cut of fla's autotuning candidates, over every fla module loaded so far."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fla_fixed import fix_fla_configs as fix
+    return fix()
+
+
 def write_json(path: Path, data: dict) -> None:
     """Atomic: a temporary file beside `path`, renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -350,8 +357,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.fla_fixed_configs:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from fla_fixed import fix_fla_configs
         print(f"fla autotuning cut: {fix_fla_configs()} kernels keep at most 3 candidates (bench/fla_fixed.py)")
     rng = random.Random(args.seed)
     results = {"hardware": hardware(args.device), "config": args.config, "dtype": args.dtype,
@@ -370,6 +375,8 @@ def main(argv=None) -> dict:
         model, ckpt, results["router"] = build_checkpoint(args, workdir)
         results["params"] = count_params(model.config)
         hf = load_transformers(ckpt, args) if {"decode", "prefill"} & set(args.parts) else None
+        if hf is not None and args.fla_fixed_configs:  # transformers' model loads more fla kernels (fla.modules)
+            print(f"fla autotuning cut for {fix_fla_configs()} more kernels, loaded with transformers")
         write_json(args.out, results)
         for part in args.parts:
             print(f"\n{part}:")
