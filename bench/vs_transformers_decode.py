@@ -279,9 +279,10 @@ def part_speculative(model, args, rng) -> dict:
     return out
 
 
-def part_memory(model, args) -> dict:
+def part_memory(model, hf, args) -> dict:
     """Per-sequence decode memory at 32K tokens, analytic (cache_bytes_per_token) and from the engine's pool (its page
-    bytes and its KDA slot); the largest batch of such sequences that fits in the memory left now."""
+    bytes and its KDA slot); the largest batch of such sequences that fits in the device memory free now (cached
+    allocator blocks released first) plus what transformers' copy of the weights holds, if it is loaded."""
     c, L = model.config, 32768
     sizes = cache_bytes_per_token(c, dtype_bytes=DTYPES[args.dtype].itemsize)
     engine = engine_for(model, args, 1, num_pages=2)
@@ -291,7 +292,10 @@ def part_memory(model, args) -> dict:
         if engine.target.slots is not None else sizes["kda_state_bytes"]
     per_seq = pool.pages_for(L) * pool.page_bytes + kda_slot
     if args.device.type == "cuda":
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(args.device)
+        if hf is not None:
+            free += sum(p.numel() * p.element_size() for p in hf.parameters())
     else:
         free = total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     out = {"context_tokens": L, "mla_bytes_per_token": per_token, "kda_state_bytes_per_sequence": kda_slot,
@@ -315,7 +319,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="fewer and smaller sizes")
     p.add_argument("--skip-transformers", action="store_true", help="time openk3 only")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "vs_transformers_decode.json")
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "vs_transformers_decode.json")
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint is written [a temporary dir]")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--pool-pages", type=int, default=None, help="[enough for the largest decode batch]")
@@ -389,7 +394,7 @@ def main(argv=None) -> dict:
             elif part == "speculative":
                 results["speculative"] = part_speculative(model, args, rng)
             else:
-                results["memory"] = part_memory(model, args)
+                results["memory"] = part_memory(model, hf, args)
             write_json(args.out, results)
     print(f"\nwrote {args.out}")
     return results

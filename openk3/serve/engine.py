@@ -45,6 +45,7 @@ from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
+from openk3.serve.static import capture_problem
 from openk3.text.chat import (EFFORTS, END, IdOutputParser, chat_format_for, chat_stop_ids, encode_segments,
                               render)
 from openk3.vision.preprocess import batch_images
@@ -65,8 +66,9 @@ class EngineConfig:
     `num_draft_tokens`: tokens a draft model proposes per speculative round.
     `fast_decode`: decode through the static step (static.py, docs/engine.md "Fast decode path": KDA slot pool,
     fixed-width page tables, batched device sampler); None = on CUDA only. `cuda_graphs`: capture that step as
-    CUDA graphs per batch bucket; None = whenever the fast path runs on CUDA. `compile_decode`: torch.compile that
-    step first (fast path only; off by default: not yet measured on a GPU)."""
+    CUDA graphs per batch bucket; None = whenever it can be (`capture_problem`; `stats()["decode_path"]` says
+    what runs). `compile_decode`: torch.compile that step first (fast path only; off by default: not yet
+    measured on a GPU)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -159,10 +161,13 @@ class Engine:
         self.cfg = config = config or EngineConfig()
         device = model.lm_head.weight.device
         self.fast = config.fast_decode if config.fast_decode is not None else device.type == "cuda"
-        graphs = config.cuda_graphs if config.cuda_graphs is not None else self.fast and device.type == "cuda"
-        if graphs and not (self.fast and device.type == "cuda"):
-            raise ValueError(f"EngineConfig.cuda_graphs=True needs the fast decode path on CUDA (fast_decode="
-                             f"{config.fast_decode}, model on {device})")
+        problem = capture_problem(model) if self.fast else "the general decode path is not captured"
+        graphs = config.cuda_graphs if config.cuda_graphs is not None else problem is None
+        if graphs and problem is not None:
+            raise ValueError(f"EngineConfig.cuda_graphs=True: cannot capture the decode step ({problem}; "
+                             f"fast_decode={config.fast_decode})")
+        # what decodes, and why not more (stats() reports it; a benchmark records it)
+        self.decode_path = ("fast, CUDA graphs" if graphs else f"fast, eager ({problem})") if self.fast else "general"
         slots = config.max_batch if self.fast else None
         if config.compile_decode and not self.fast:
             raise ValueError("EngineConfig.compile_decode=True compiles the fast decode path's step; it needs "
@@ -240,7 +245,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters for monitoring: queue depth, batch, pool pages, prefix-cache counters, speculative counters."""
-        s = dict(self.counters, queue_depth=len(self._inbox) + len(self.waiting), prefilling=len(self.prefilling),
+        s = dict(self.counters, decode_path=self.decode_path,
+                 queue_depth=len(self._inbox) + len(self.waiting), prefilling=len(self.prefilling),
                  running=len(self.running), free_pages=len(self.pool.free), reserved_pages=self.pool.reserved)
         if self.prefix is not None:
             s.update(self.prefix.counters())

@@ -124,7 +124,8 @@ def sample_batch(logits_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_
 
 def sample_tokens(logits_BV: Tensor, reqs: list) -> list[int]:
     """One token per row: argmax for greedy requests, else a draw from `filtered_probs` with the request's own
-    generator (the general decode path and every prefill's first token; the fast path uses `sample_batch`). reqs: the engine's `Request`s of the rows (their `.params` and `.generator` are read)."""
+    generator (the general decode path and every prefill's first token; the fast path uses `sample_batch`).
+    reqs: the engine's `Request`s of the rows (their `.params` and `.generator` are read)."""
     tokens = logits_BV.argmax(-1).tolist()
     for b, r in enumerate(reqs):
         if not r.params.greedy:

@@ -30,10 +30,28 @@ from torch import Tensor
 from openk3.config import K3Config
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
+from openk3.ops import select_moe_backend
 from openk3.serve.cache import PagedSeq, PagePool
 from openk3.serve.sampler import SamplingParams, sample_batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def capture_problem(model: K3ForCausalLM) -> str | None:
+    """Why the decode step of `model` cannot be captured as a CUDA graph, or None if it can. NOTE: the routed experts'
+    grouped matmul is capturable only as the fused kernel (bf16 on sm90+); for other dtypes and GPUs
+    `torch._grouped_mm` loops over the experts on the host, and the loop backend syncs too (openk3/ops/moe.py)."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cuda":
+        return f"the model is on {weight.device}, CUDA graphs need CUDA"
+    if not model.moe_layers():
+        return None
+    backend = select_moe_backend(weight.device.type, weight.dtype)
+    major, _ = torch.cuda.get_device_capability(weight.device)
+    if backend.name != "grouped" or weight.dtype != torch.bfloat16 or major < 9:
+        return (f"the routed experts run {weight.dtype} on sm_{major}x with the {backend.name!r} MoE backend, which "
+                f"syncs with the host (only bf16 grouped matmuls on sm90+ are capturable)")
+    return None
 
 
 def batch_bucket(n: int) -> int:
@@ -130,8 +148,9 @@ class StaticDecoder:
         """compile: False, True (torch.compile's default backend, Inductor) or a torch.compile backend name."""
         self.model, self.pool, self.slots = model, pool, slots
         self.device = pool.device
-        if graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {self.device}")
+        problem = capture_problem(model) if graphs else None
+        if problem is not None:
+            raise ValueError(f"cannot capture the decode step as CUDA graphs: {problem}")
         self.graphs = graphs
         self.layer_types = model.config.layer_types
         self.buffers: dict[tuple[int, int], StepBuffers] = {}
