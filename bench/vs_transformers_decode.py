@@ -180,7 +180,7 @@ def part_decode(model, hf, args, rng) -> dict:
         seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
         n = sum(len(r.output) for r in reqs)
         row = {"openk3_tokens_per_s": n / seconds, "openk3_seconds": seconds, "openk3_first_run_seconds": first,
-               "openk3_fast_path": engine.fast, "generated_tokens": n,
+               "openk3_decode_path": engine.decode_path, "generated_tokens": n,
                "openk3_decoder": dict(engine.target.decoder.counters) if engine.target.decoder else None}
         if hf is not None:
             timed_hf_generate(hf, prompts[:1], 4, args.device)  # warm-up
@@ -191,6 +191,8 @@ def part_decode(model, hf, args, rng) -> dict:
                                                                  for r, o in zip(reqs, hf_out)])
         out[str(B)] = row
         hf_rate = f"{row['transformers_tokens_per_s']:10.1f}" if hf is not None else f"{'-':>10s}"
+        if B == args.batch_sizes[0]:
+            print(f"  openk3 decode path: {engine.decode_path}")
         print(f"  batch {B:3d}: transformers {hf_rate} tok/s   openk3 {row['openk3_tokens_per_s']:10.1f} tok/s "
               f"(first run, with any graph captures: {first:.2f} s)", flush=True)
     return out
