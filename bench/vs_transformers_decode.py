@@ -310,6 +310,32 @@ def part_memory(model, hf, args) -> dict:
     return out
 
 
+def summary(results: dict) -> str:
+    """The headline table of whatever parts `results` holds (markdown, as docs/engine.md quotes it)."""
+    def num(row: dict, key: str, fmt: str) -> str:
+        return format(row[key], fmt) if key in row else "-"
+
+    lines = [f"hardware: {results['hardware'].get('gpu', results['hardware']['cpu'])}, {results['config']}, "
+             f"{results['dtype']}"]
+    if "decode" in results:
+        lines += ["", "| batch | transformers tokens/s | openk3 tokens/s | speed-up |", "|---|---|---|---|"]
+        lines += [f"| {b} | {num(r, 'transformers_tokens_per_s', ',.1f')} | {num(r, 'openk3_tokens_per_s', ',.1f')} | "
+                  f"{num(r, 'speedup', '.1f')} |" for b, r in results["decode"].items()]
+    if "prefill" in results:
+        lines += ["", "| prompt tokens | transformers s | openk3 s | speed-up |", "|---|---|---|---|"]
+        lines += [f"| {n} | {num(r, 'transformers_seconds', '.3f')} | {num(r, 'openk3_seconds', '.3f')} | "
+                  f"{num(r, 'speedup', '.1f')} |" for n, r in results["prefill"].items()]
+    if "prefix_hit_ttft" in results:
+        t = results["prefix_hit_ttft"]
+        lines += ["", f"TTFT of a {t['turn_tokens']}-token turn: cold {t['cold_ttft_s']:.3f} s, after a prefix hit "
+                      f"{t['hit_ttft_s']:.3f} s ({t['hit_over_cold']:.3f} of cold)"]
+    if "memory" in results:
+        m = results["memory"]
+        lines += [f"32K-token sequence: {m['bytes_per_sequence'] / 2**20:.1f} MiB; largest batch that fits: "
+                  f"{m['max_batch_32k']}"]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ main
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -398,6 +424,7 @@ def main(argv=None) -> dict:
             else:
                 results["memory"] = part_memory(model, hf, args)
             write_json(args.out, results)
+    print("\n" + summary(results))
     print(f"\nwrote {args.out}")
     return results
 
