@@ -661,7 +661,8 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 cache: K3Cache | None = None, absorb: bool | None = None, logits_to_keep: int = 0,
                 loss_chunk: int = 0, record: bool = False, record_attnres: bool = False,
-                keep_inputs: bool = False, inputs_embeds: Tensor | None = None) -> CausalLMOutput:
+                keep_inputs: bool = False, inputs_embeds: Tensor | None = None,
+                validate: bool = True) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens: int64 [N+1] document starts over the flattened B*T tokens (each row start
         must be one); documents reset KDA state and the MLA mask. cache: a K3Cache to continue from and update.
         logits_to_keep: when > 0, logits only for the last that many positions (a prefill needs only the last).
@@ -672,11 +673,13 @@ class K3ForCausalLM(nn.Module):
         keep_inputs: every KDA state of `cache` gets this forward's per-token inputs (`KDAState.inputs`).
         inputs_embeds: [B, T, D] used instead of embedding input_ids (which still give the shape and are checked):
         K3ForConditionalGeneration passes the embeddings with its images' vision vectors in the media slots.
+        validate: False skips the token-id range check, a host sync: for callers that checked the ids already (the
+        engine checks prompts at submit and samples the rest) and for CUDA-graph capture, which forbids syncs.
         Nothing is left on any module: options come in as arguments, statistics go out in the CausalLMOutput."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
+        if validate and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
             bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)][0].item()
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.vocab_size})")
         B, T = input_ids.shape

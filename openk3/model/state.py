@@ -87,3 +87,40 @@ class K3Cache:
             if isinstance(s, MLAState):
                 return s.length
         raise ValueError("cache has no MLA layer to read the length from")
+
+
+class SlotKDAState:
+    """Per-layer KDA decode state of a batch whose rows live in preallocated pools, addressed by slot: the
+    engine's fast decode path (docs/engine.md "Fast decode path"). It reads like a `KDAState` (the model only
+    gets and sets `recurrent` and `conv` and sets `inputs`), but getting gathers the batch's rows out of the pools
+    [slots, H, K, K] fp32 and [slots, W-1, 3*H*K], and setting writes them back in place (`index_copy_`), so
+    requests join and leave by slot assignment and no batch tensor is ever rebuilt.
+
+    `valid` [B] bool (None = every row): rows that only pad a batch to its CUDA-graph bucket. They point at a
+    scratch slot and write zeros there, so the scratch slot stays the zero state whatever the padding computed."""
+
+    def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, slots: Tensor, valid: Tensor | None = None):
+        self.recurrent_pool, self.conv_pool, self.slots, self.valid = recurrent_pool, conv_pool, slots, valid
+        self.inputs: dict[str, Tensor] | None = None
+
+    def _write(self, pool: Tensor, value: Tensor) -> None:
+        value = value.to(pool.dtype)
+        if self.valid is not None:
+            value = torch.where(self.valid.view(-1, *([1] * (value.dim() - 1))), value, 0)
+        pool.index_copy_(0, self.slots, value)
+
+    @property
+    def recurrent(self) -> Tensor:
+        return self.recurrent_pool.index_select(0, self.slots)
+
+    @recurrent.setter
+    def recurrent(self, value: Tensor) -> None:
+        self._write(self.recurrent_pool, value)
+
+    @property
+    def conv(self) -> Tensor:
+        return self.conv_pool.index_select(0, self.slots)
+
+    @conv.setter
+    def conv(self, value: Tensor) -> None:
+        self._write(self.conv_pool, value)

@@ -143,7 +143,7 @@ def moe_experts_grouped(
     no tokens). Outputs are scattered back to their tokens with an fp32 index_add.
     Raises ValueError if grouped_mm_supported says no, or if D or F breaks the 16-byte rule.
     NOTE: expert ids are not range-checked here (that would sync with the GPU); an id outside
-    0..E-1 surfaces as torch's own error (bincount's "non-negative", or _grouped_mm's "matrix
+    0..E-1 surfaces as torch's own error (scatter_add_'s index check, or _grouped_mm's "matrix
     batch sizes have to match"). The router's top-k guarantees the range; the loop checks it.
     """
     _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
@@ -165,7 +165,10 @@ def moe_experts_grouped(
     expert_S = topk_idx_TK.reshape(-1)  # S = T*K token slots, slot s belongs to token s // K
     order_S = torch.argsort(expert_S, stable=True)
     token_S = order_S // K
-    offs_E = torch.bincount(expert_S, minlength=E).cumsum(0).to(torch.int32)
+    # NOTE: counted by scatter_add_, not bincount: CUDA's bincount reads the max id back to the host (a sync),
+    # which CUDA-graph capture of the engine's decode step forbids (serve/static.py)
+    counts_E = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add_(0, expert_S, torch.ones_like(expert_S))
+    offs_E = counts_E.cumsum(0).to(torch.int32)
 
     x_SD = x_TD[token_S]
     # NOTE: the transposed weight views ([E, D, F] with strides (F*D, 1, D)) are what

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import secrets
 import sys
 import time
 from collections import deque
@@ -44,6 +45,7 @@ from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
+from openk3.serve.static import capture_problem
 from openk3.text.chat import (EFFORTS, END, IdOutputParser, chat_format_for, chat_stop_ids, encode_segments,
                               render)
 from openk3.vision.preprocess import batch_images
@@ -61,7 +63,12 @@ class EngineConfig:
     shorter than `checkpoint_interval` sent twice gets `cached_tokens == 0`; one that extends an earlier prompt
     or turn resumes at its end (see `PrefixCache`, docs/engine.md). `prefill_chunk`: prompt tokens
     per step (bounds the decode stall a long prompt causes). `max_batch`: requests prefilling or decoding at once.
-    `num_draft_tokens`: tokens a draft model proposes per speculative round."""
+    `num_draft_tokens`: tokens a draft model proposes per speculative round.
+    `fast_decode`: decode through the static step (static.py, docs/engine.md "Fast decode path": KDA slot pool,
+    fixed-width page tables, batched device sampler); None = on CUDA only. `cuda_graphs`: capture that step as
+    CUDA graphs per batch bucket; None = whenever it can be (`capture_problem`; `stats()["decode_path"]` says
+    what runs). `compile_decode`: torch.compile that step first (fast path only; off by default: not yet
+    measured on a GPU)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -71,6 +78,9 @@ class EngineConfig:
     hash_interval: int = 64
     checkpoint_interval: int | None = 2048
     num_draft_tokens: int = 4
+    fast_decode: bool | None = None
+    cuda_graphs: bool | None = None
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch", "prefill_chunk", "hash_interval", "num_draft_tokens"):
@@ -112,6 +122,7 @@ class Request:
     draft_kda: list | None = None
     prefix: PrefixPath | None = None
     generator: torch.Generator | None = None
+    sample_seed: int = 0  # fast path: the seed of `sample_batch` (the request's seed, else a random one)
     # Images (K3ForConditionalGeneration): preprocessed, in the order of their `<|media_pad|>` slots; their vision
     # vectors, computed once at the first prefill chunk that needs them; and the prompt as the prefix cache hashes
     # it, each slot standing for its image's pixel digest (so two images never share a cache entry).
@@ -148,7 +159,21 @@ class Engine:
 
     def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, draft: K3ForCausalLM | None = None):
         self.cfg = config = config or EngineConfig()
-        self.target = ModelRunner(model, config.num_pages, config.page_size)
+        device = model.lm_head.weight.device
+        self.fast = config.fast_decode if config.fast_decode is not None else device.type == "cuda"
+        problem = capture_problem(model) if self.fast else "the general decode path is not captured"
+        graphs = config.cuda_graphs if config.cuda_graphs is not None else problem is None
+        if graphs and problem is not None:
+            raise ValueError(f"EngineConfig.cuda_graphs=True: cannot capture the decode step ({problem}; "
+                             f"fast_decode={config.fast_decode})")
+        # what decodes, and why not more (stats() reports it; a benchmark records it)
+        self.decode_path = ("fast, CUDA graphs" if graphs else f"fast, eager ({problem})") if self.fast else "general"
+        slots = config.max_batch if self.fast else None
+        if config.compile_decode and not self.fast:
+            raise ValueError("EngineConfig.compile_decode=True compiles the fast decode path's step; it needs "
+                             f"fast_decode (fast_decode={config.fast_decode}, model on {device})")
+        self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
+                                  compile=config.compile_decode)
         self.model, self.pool = self.target.model, self.target.pool
         self.device, self.dtype = self.target.device, self.target.dtype
         self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None
@@ -160,7 +185,8 @@ class Engine:
                                  f"{model.config.vocab_size}: a draft must share the target's tokenizer")
             if draft.lm_head.weight.device != self.device:
                 raise ValueError(f"draft is on {draft.lm_head.weight.device}, target on {self.device}")
-            self.drafter = ModelRunner(draft, config.num_pages, config.page_size)
+            # the draft decodes through `_forward` (speculation), so its slots only keep its states in place
+            self.drafter = ModelRunner(draft, config.num_pages, config.page_size, slots=slots)
             self.draft, self.draft_pool = self.drafter.model, self.drafter.pool
         # Positions a speculative round may write past the last kept token (its worst case is reserved too).
         self.lookahead = config.num_draft_tokens if draft is not None else 0
@@ -194,8 +220,9 @@ class Engine:
                              f"tokens of cache, more than the pool holds ({self.pool.capacity_tokens}: "
                              f"num_pages={self.cfg.num_pages} x page_size={self.cfg.page_size}, less the zero page)")
         stop = params.stop_token_ids if params.stop_token_ids is not None else (self.model.config.eos_token_id,)
-        generator = None
+        generator, sample_seed = None, 0
         if not params.greedy:
+            sample_seed = params.seed if params.seed is not None else secrets.randbits(62)
             generator = torch.Generator(device=self.device)
             if params.seed is not None:
                 generator.manual_seed(params.seed)
@@ -203,7 +230,7 @@ class Engine:
                 generator.seed()
         req = Request(id=request_id if request_id is not None else f"req-{next(self._ids)}", prompt=prompt,
                       params=params, cache_salt=cache_salt, submitted_at=time.perf_counter(),
-                      stop=frozenset(t for t in stop if t is not None), generator=generator)
+                      stop=frozenset(t for t in stop if t is not None), generator=generator, sample_seed=sample_seed)
         if images:
             req.images, req.cache_tokens = images, image_cache_tokens(self.model.config, prompt, images)
         self._inbox.append(req)
@@ -218,7 +245,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters for monitoring: queue depth, batch, pool pages, prefix-cache counters, speculative counters."""
-        s = dict(self.counters, queue_depth=len(self._inbox) + len(self.waiting), prefilling=len(self.prefilling),
+        s = dict(self.counters, decode_path=self.decode_path,
+                 queue_depth=len(self._inbox) + len(self.waiting), prefilling=len(self.prefilling),
                  running=len(self.running), free_pages=len(self.pool.free), reserved_pages=self.pool.reserved)
         if self.prefix is not None:
             s.update(self.prefix.counters())
@@ -441,6 +469,9 @@ class Engine:
             req.kda = req.draft_kda = None
 
     def _decode(self, outputs: list[StepOutput]) -> None:
+        if self.fast:
+            self._decode_static(outputs)
+            return
         logits = self._forward(self.model, self.pool, [r.seq for r in self.running], self.target.kda,
                                [[r.output[-1]] for r in self.running])[:, -1]
         finite = self._finite(logits, self.running, outputs)
@@ -455,6 +486,21 @@ class Engine:
         for r, t, lp in zip(reqs, tokens, logprobs[:, 0].tolist()):
             self._emit(r, [t], [lp], outputs)
         self.counters["decode_tokens"] += len(reqs)
+        self._retire(outputs)
+
+    def _decode_static(self, outputs: list[StepOutput]) -> None:
+        """`_decode` through the fast path's static step: sampling happens on the device (`sample_batch`, seeded by
+        the request's `sample_seed` and the token's index), one host sync for the whole batch."""
+        reqs = self.running
+        tokens, logprobs, finite = self.target.decode(
+            [r.seq for r in reqs], [r.output[-1] for r in reqs], [r.params for r in reqs],
+            [r.sample_seed for r in reqs], [len(r.output) for r in reqs])
+        self._fail_rows(reqs, finite, outputs)
+        for r, t, lp, ok in zip(reqs, tokens, logprobs, finite):
+            if ok:
+                self._emit(r, [t], [lp], outputs)
+        self._leave([b for b, ok in enumerate(finite) if not ok])
+        self.counters["decode_tokens"] += sum(finite)
         self._retire(outputs)
 
     def _speculate(self, outputs: list[StepOutput]) -> None:
@@ -523,12 +569,16 @@ class Engine:
         "error"): NaN logits cannot be sampled (multinomial raises, which would stop every request) and greedy
         would emit garbage. The caller takes the failed rows out of its batch."""
         finite = torch.isfinite(logits_BV).all(-1).tolist()
+        self._fail_rows(reqs, finite, outputs)
+        return finite
+
+    def _fail_rows(self, reqs: list[Request], finite: list[bool], outputs: list[StepOutput]) -> None:
+        """End the requests whose row was not finite (see `_finite`)."""
         for r, ok in zip(reqs, finite):
             if not ok:
                 r.error = (f"the model produced NaN or infinite logits at position {len(r.prompt) + len(r.output)} "
                            f"(after {len(r.output)} generated tokens)")
                 self._end(r, "error", outputs)
-        return finite
 
     def _emit(self, req: Request, tokens: list[int], logprobs: list[float], outputs: list[StepOutput]) -> int:
         """Append tokens to the request up to (and including) the first stop token or the max_tokens limit;

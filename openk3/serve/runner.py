@@ -12,6 +12,11 @@ with speculative decoding, one for the draft:
 
 Running requests' KDA states live batch-contiguous (one `KDAState` per layer with a row per request, row b of
 `kda` is the engine's running[b]), rebuilt only when requests join or leave; their MLA latents live in the pool.
+With the fast decode path (`slots=`, static.py) they live in a preallocated `SlotPool` instead, row b of `kda`
+reading slot `rows[b]` in place; joining and leaving only assign slots, and `decode` runs the static step:
+
+    runner = ModelRunner(model, num_pages=1024, page_size=64, slots=32, graphs=True)
+    tokens, logprobs, finite = runner.decode(seqs, last_tokens, params, seeds, counters)
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from torch import Tensor
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, new_kda_states, paged_cache,
                                 rollback_kda, select_kda_rows)
+from openk3.serve.sampler import SamplingParams
+from openk3.serve.static import SlotPool, StaticDecoder
 
 
 class ModelRunner:
@@ -31,12 +38,21 @@ class ModelRunner:
     forward runs under the engine's inference mode, and no K3 module behaves differently in train mode (no dropout,
     no batch statistics; `recomputed` checks torch.is_grad_enabled(), not the mode)."""
 
-    def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int):
+    def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int, slots: int | None = None,
+                 graphs: bool = False, compile: bool | str = False):
+        """slots: run the fast decode path with a KDA slot pool for that many running sequences (None: the
+        general path); graphs: capture its steps as CUDA graphs (CUDA only); compile: torch.compile the step
+        first (True, or a torch.compile backend name; `StaticDecoder`)."""
         self.model = model
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
-        self.kda: list[KDAState] = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
+        self.slots = SlotPool(model.config, slots, self.device, self.dtype) if slots is not None else None
+        self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile) if slots is not None else None
+        self.rows: list[int] = []  # fast path: the slot of each row of the decode batch
+        self.kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
+        if self.slots is not None:
+            self._view()
         self.speculating = False  # between begin_speculation and end_speculation: forwards keep the KDA inputs
 
     def new_states(self) -> list[KDAState]:
@@ -61,12 +77,35 @@ class ModelRunner:
 
     # ---- the decode batch's KDA states
     def join(self, states: list[KDAState]) -> None:
-        """A request's states become the batch's last row."""
-        self.kda = cat_kda_states(self.kda, states)
+        """A request's states become the batch's last row (fast path: they are copied into a free slot)."""
+        if self.slots is None:
+            self.kda = cat_kda_states(self.kda, states)
+            return
+        self.rows.append(self.slots.take(states))
+        self._view()
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Only these rows stay, in this order (requests left the batch)."""
-        self.kda = select_kda_rows(self.kda, rows)
+        """Only these rows stay, in this order (requests left the batch; fast path: their slots are freed)."""
+        if self.slots is None:
+            self.kda = select_kda_rows(self.kda, rows)
+            return
+        for b in set(range(len(self.rows))) - set(rows):
+            self.slots.give(self.rows[b])
+        self.rows = [self.rows[b] for b in rows]
+        self._view()
+
+    def _view(self) -> None:
+        """`kda` for the fast path: the slot pool's states at the batch's slots (rebuilt on join and leave only;
+        the objects persist between them, as speculation's kept inputs must)."""
+        self.kda = self.slots.view(torch.tensor(self.rows, dtype=torch.long, device=self.device))
+
+    def decode(self, seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams], seeds: list[int],
+               counters: list[int], with_logits: bool = False) -> tuple:
+        """The fast path's decode step for the whole batch (row b = seqs[b], slot rows[b]); see
+        `StaticDecoder.step`."""
+        if self.decoder is None:
+            raise RuntimeError("decode is the fast path's step: build the runner with slots=")
+        return self.decoder.step(seqs, self.rows, tokens, params, seeds, counters, with_logits)
 
     # ---- speculative decoding
     def begin_speculation(self) -> list[KDAState]:

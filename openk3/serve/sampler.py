@@ -1,6 +1,11 @@
 """Sampling for the inference engine: a request's `SamplingParams`, the distribution it draws from
 (`filtered_probs`), one token per batch row (`sample_tokens`) and speculative sampling's acceptance rule
-(`accept_draft`). Pure functions of logits and a request's generator; the engine (engine.py) calls them."""
+(`accept_draft`). Pure functions of logits and a request's generator; the engine (engine.py) calls them.
+
+The fast decode path (docs/engine.md) samples the whole batch at once on the device instead: `batch_filtered_probs`
+(`filtered_probs` with per-row temperature / top-k / top-p tensors) and `sample_batch`, whose randomness is a
+counter-based hash of (request seed, token index, vocabulary id), so a seeded request draws the same tokens
+whatever shares its batch, with no generator object and no host sync (it can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -60,9 +65,67 @@ def filtered_probs(logits_V: Tensor, params: SamplingParams) -> Tensor:
     return torch.zeros_like(probs).scatter(0, order, sorted_p / sorted_p.sum())
 
 
+def batch_filtered_probs(logits_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
+    """`filtered_probs` of every row at once, fp32 [B, V], with per-row temperature (float64: a tiny temperature
+    must not round to 0), top_k (int, 0 = all) and top_p tensors [B]. Rows with temperature 0 (greedy) get the
+    distribution of temperature 1; `sample_batch` takes their argmax instead."""
+    logits_BV = logits_BV.double()
+    t = torch.where(temperature_B > 0, temperature_B.double(), 1.0)[:, None]
+    probs = torch.softmax((logits_BV - logits_BV.max(-1, keepdim=True).values) / t, dim=-1).float()
+    V = probs.shape[-1]
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    k = torch.where(top_k_B > 0, top_k_B, V)[:, None]
+    keep = torch.arange(V, device=probs.device)[None, :] < k
+    sorted_p = sorted_p * keep
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    # as filtered_probs: a token stays if the mass before it is still below top_p; the first always stays
+    keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p_B[:, None]
+    keep[:, 0] = True
+    sorted_p = sorted_p * keep
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p / sorted_p.sum(-1, keepdim=True))
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (two rounds of xorshift-multiply, multiplier 0x45d9f3b) on int64 tensors holding
+    values < 2**32. NOTE: the multiplier is below 2**27, so no product overflows int64."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def counter_uniform(seed_B: Tensor, counter_B: Tensor, V: int) -> Tensor:
+    """Uniform numbers in (0, 1), float64 [B, V], a pure function of (seed, counter, column): row b's numbers
+    depend on its own seed_B[b] and counter_B[b] (int64, any value; taken mod 2**32) only."""
+    col = torch.arange(V, device=seed_B.device, dtype=torch.long)[None, :]
+    h = _mix32(_mix32(seed_B & _MASK32) ^ (counter_B & _MASK32))
+    x = _mix32(_mix32(h[:, None] ^ col) ^ 0x9E3779B9)
+    return (x.double() + 0.5) / 2.0 ** 32
+
+
+def sample_batch(logits_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor, seed_B: Tensor,
+                 counter_B: Tensor, greedy_only: bool = False) -> tuple[Tensor, Tensor]:
+    """One token per row on the device, no Python loop over rows and no host sync: argmax for rows with
+    temperature 0, else an exact draw from `batch_filtered_probs` by the exponential race (argmax p_v / E_v with
+    E_v = -log U_v, U from `counter_uniform(seed, counter)`; the engine passes the request's sampling seed and the
+    index of the token being drawn). `greedy_only` skips the sampling work when the caller knows every row is
+    greedy. -> (tokens [B] int64, fp32 log-probabilities of them under the raw logits [B])."""
+    logits_BV = logits_BV.float()
+    tokens = logits_BV.argmax(-1)
+    if not greedy_only:
+        p = batch_filtered_probs(logits_BV, temperature_B, top_k_B, top_p_B)
+        race = p.double() / -counter_uniform(seed_B, counter_B, p.shape[-1]).log()
+        tokens = torch.where(temperature_B > 0, race.argmax(-1), tokens)
+    logprobs = torch.log_softmax(logits_BV, -1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
 def sample_tokens(logits_BV: Tensor, reqs: list) -> list[int]:
     """One token per row: argmax for greedy requests, else a draw from `filtered_probs` with the request's own
-    generator. reqs: the engine's `Request`s of the rows (their `.params` and `.generator` are read)."""
+    generator (the general decode path and every prefill's first token; the fast path uses `sample_batch`).
+    reqs: the engine's `Request`s of the rows (their `.params` and `.generator` are read)."""
     tokens = logits_BV.argmax(-1).tolist()
     for b, r in enumerate(reqs):
         if not r.params.greedy:

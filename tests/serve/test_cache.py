@@ -25,9 +25,13 @@ def small_config(family: str = "k3") -> K3Config:
     return c
 
 
-def small_model(family: str = "k3", seed: int = 0) -> K3ForCausalLM:
+def small_model(family: str = "k3", seed: int = 0, dense: bool = False) -> K3ForCausalLM:
+    """`small_config(family)` with random weights; `dense`: every FFN a dense MLP (no MoE layer)."""
     torch.manual_seed(seed)
-    model = K3ForCausalLM(small_config(family)).eval()
+    config = small_config(family)
+    if dense:
+        config = config.replace(first_k_dense_replace=config.num_hidden_layers)
+    model = K3ForCausalLM(config).eval()
     with torch.no_grad():  # non-uniform AttnRes mixing, so the wiring matters
         for name, p in model.named_parameters():
             if "_res_proj" in name:

@@ -1,0 +1,248 @@
+"""The engine's fast decode path (docs/engine.md "Fast decode path"): one decode step of the whole running batch
+with static shapes, so that on CUDA it can be captured once per batch bucket as a CUDA graph and replayed.
+
+    SlotPool       the decode batch's KDA states, preallocated: per KDA layer a recurrent pool [S + 1, H, K, K]
+                   fp32 and a conv-tail pool [S + 1, W-1, 3*H*K]; a request joining the batch takes a slot (its
+                   prefilled state is copied in once), one leaving gives it back. Slot 0 is a scratch slot for the
+                   rows that pad a batch to its bucket (it stays zero, see `SlotKDAState`).
+    StaticMLA      one MLA layer's cache for the step: writes the new latent of every row into its page and reads
+                   the pool through a fixed-width page table [B, P] (padded with the zero page) plus each row's
+                   length (the mask), with one batched gather and no per-row copy.
+    StaticDecoder  the step: copies the host's inputs (last tokens, slots, page tables, lengths, sampling
+                   parameters) into static buffers of the bucket (B rounded up to BATCH_BUCKETS, P to a power of
+                   two), runs the model forward for T = 1 and `sample_batch`, and hands back tokens, logprobs and a
+                   finite flag per row in one device-to-host copy, the step's only host sync. With `graphs` (CUDA),
+                   each (B, P, greedy-only) bucket is captured the first time it is met, after a warmup on a side
+                   stream, and replayed from then on; on the CPU the same step runs eagerly. With `compile`, the
+                   step is `torch.compile`d first (fusing its ~2,000 small ops; off by default: measured only on
+                   the CPU so far, where it ran a bf16 step 3.6x faster).
+
+The reference is the engine's general path (runner.py `ModelRunner.forward` over `paged_cache`, then
+`sample_tokens`); tests/serve/test_static.py checks that both give the same logits for ragged batches whose
+requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from openk3.config import K3Config
+from openk3.model.model import K3ForCausalLM
+from openk3.model.state import K3Cache, KDAState, SlotKDAState
+from openk3.ops import select_moe_backend
+from openk3.serve.cache import PagedSeq, PagePool
+from openk3.serve.sampler import SamplingParams, sample_batch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def capture_problem(model: K3ForCausalLM) -> str | None:
+    """Why the decode step of `model` cannot be captured as a CUDA graph, or None if it can. NOTE: the routed experts'
+    grouped matmul is capturable only as the fused kernel (bf16 on sm90+); for other dtypes and GPUs
+    `torch._grouped_mm` loops over the experts on the host, and the loop backend syncs too (openk3/ops/moe.py)."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cuda":
+        return f"the model is on {weight.device}, CUDA graphs need CUDA"
+    if not model.moe_layers():
+        return None
+    backend = select_moe_backend(weight.device.type, weight.dtype)
+    major, _ = torch.cuda.get_device_capability(weight.device)
+    if backend.name != "grouped" or weight.dtype != torch.bfloat16 or major < 9:
+        return (f"the routed experts run {weight.dtype} on sm_{major}x with the {backend.name!r} MoE backend, which "
+                f"syncs with the host (only bf16 grouped matmuls on sm90+ are capturable)")
+    return None
+
+
+def batch_bucket(n: int) -> int:
+    """The CUDA-graph batch size a batch of n rows runs at: the smallest of BATCH_BUCKETS that holds it, beyond
+    them the next multiple of the largest."""
+    for b in BATCH_BUCKETS:
+        if n <= b:
+            return b
+    top = BATCH_BUCKETS[-1]
+    return -(-n // top) * top
+
+
+def page_bucket(n: int) -> int:
+    """The page-table width a batch whose longest row needs n pages runs at: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class SlotPool:
+    """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring)."""
+
+    def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype):
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots={slots!r}: must be a positive integer")
+        lac = config.linear_attn_config
+        H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+        n = config.layer_types.count("kda")
+        self.recurrent = [torch.zeros(slots + 1, H, K, K, device=device) for _ in range(n)]
+        self.conv = [torch.zeros(slots + 1, W - 1, 3 * H * K, device=device, dtype=dtype) for _ in range(n)]
+        self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
+
+    def take(self, states: list[KDAState]) -> int:
+        """A free slot, holding row 0 of `states` (a prefilled request's batch-1 states, one per KDA layer)."""
+        if not self.free:
+            raise RuntimeError(f"all {len(self.recurrent[0]) - 1 if self.recurrent else 0} KDA slots are in use")
+        slot = self.free.pop()
+        for rec, conv, s in zip(self.recurrent, self.conv, states):
+            rec[slot] = s.recurrent[0]
+            conv[slot] = s.conv[0].to(conv.dtype)
+        return slot
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def view(self, slots: Tensor, valid: Tensor | None = None) -> list[SlotKDAState]:
+        """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer."""
+        return [SlotKDAState(r, c, slots, valid) for r, c in zip(self.recurrent, self.conv)]
+
+
+class StaticMLA:
+    """One MLA layer's paged cache for a static decode step (the `MLAState.append` protocol, T = 1)."""
+
+    def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", valid: Tensor, mask: Tensor):
+        self.pool, self.index, self.buf, self.valid, self.mask = pool, mla_index, buf, valid, mask
+
+    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
+        """Write each row's new latent at its (page, offset), then read every row's pages through the table.
+        -> latents [B, P*page_size, C] and the mask [B, 1, 1, P*page_size] (key position <= the row's length).
+        NOTE: padding rows write zeros into the zero page (offset 0), which so stays zero."""
+        buf, mla = self.buf, self.pool.mla
+        lat = torch.where(self.valid[:, None], lat_BTC[:, 0], 0).to(mla.dtype)
+        mla[buf.write_page, self.index, buf.write_offset] = lat
+        return mla[buf.table, self.index].flatten(1, 2), self.mask
+
+
+class StepBuffers:
+    """The static inputs of one (batch, pages) bucket. Integer inputs live in one [9, B] tensor and floats in one
+    [2, B] tensor, so the host fills them with three copies (those two and the page table)."""
+
+    INTS = ("ids", "slots", "live", "lengths", "write_page", "write_offset", "top_k", "seed", "counter")
+
+    def __init__(self, B: int, P: int, page_size: int, device):
+        self.B, self.P = B, P
+        self.ints = torch.zeros(len(self.INTS), B, dtype=torch.long, device=device)
+        self.floats = torch.zeros(2, B, dtype=torch.float64, device=device)  # temperature, top_p
+        self.table = torch.zeros(B, P, dtype=torch.long, device=device)
+        self.key_pos = torch.arange(P * page_size, device=device)
+        # named views of the rows of `ints` (live: 1 for a real row, 0 for a padding row)
+        (self.ids, self.slots, self.live, self.lengths, self.write_page, self.write_offset, self.top_k, self.seed,
+         self.counter) = self.ints
+        self.temperature, self.top_p = self.floats
+
+    def clear(self) -> None:
+        """Every row a padding row: scratch slot 0, the zero page, length 0 (what warmup and capture run on)."""
+        self.ints.zero_()
+        self.floats.zero_()
+        self.table.zero_()
+
+
+class StaticDecoder:
+    """The fast decode step of one model over its page pool and KDA slot pool (module docstring)."""
+
+    def __init__(self, model: K3ForCausalLM, pool: PagePool, slots: SlotPool, graphs: bool = False,
+                 compile: bool | str = False):
+        """compile: False, True (torch.compile's default backend, Inductor) or a torch.compile backend name."""
+        self.model, self.pool, self.slots = model, pool, slots
+        self.device = pool.device
+        problem = capture_problem(model) if graphs else None
+        if problem is not None:
+            raise ValueError(f"cannot capture the decode step as CUDA graphs: {problem}")
+        self.graphs = graphs
+        self.layer_types = model.config.layer_types
+        self.buffers: dict[tuple[int, int], StepBuffers] = {}
+        self.captured: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if graphs else None
+        self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
+        self.run = self._run
+        if compile:
+            # NOTE: dynamic=None: the first shape compiles static, a second one recompiles with dynamic sizes, so
+            # the buckets do not each cost a compile
+            self.run = torch.compile(self._run, backend="inductor" if compile is True else compile, dynamic=None)
+
+    # ---- the step as the device runs it (captured or eager)
+    def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
+        """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
+        the fp32 logits [B, V])."""
+        valid = buf.live != 0
+        mask = (buf.key_pos[None, :] <= buf.lengths[:, None])[:, None, None]
+        kda = iter(self.slots.view(buf.slots, valid))
+        layers, mla_index = [], 0
+        for kind in self.layer_types:
+            if kind == "kda":
+                layers.append(next(kda))
+            else:
+                layers.append(StaticMLA(self.pool, mla_index, buf, valid, mask))
+                mla_index += 1
+        logits = self.model(buf.ids[:, None], cache=K3Cache(layers), validate=False).logits[:, -1].float()
+        tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, buf.top_p.float(), buf.seed,
+                                        buf.counter, greedy_only=greedy_only)
+        finite = torch.isfinite(logits).all(-1)
+        return torch.stack([tokens.double(), logprobs.double(), finite.double()]), logits
+
+    def _capture(self, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
+        """Warm up on a side stream (lazy inits, Triton autotuning), then capture one step. Both run on a cleared
+        buffer (padding rows only), so they write zeros into the scratch slot and the zero page and nothing else."""
+        buf.clear()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.run(buf, greedy_only)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = self.run(buf, greedy_only)
+        self.counters["graph_captures"] += 1
+        return graph, out
+
+    # ---- the step as the engine calls it
+    def step(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
+             seeds: list[int], counters: list[int], with_logits: bool = False) -> tuple:
+        """Decode one token for every row: row b appends tokens[b] to seqs[b] (its KDA state in slot slots[b]) and
+        samples with params[b], seeds[b] and counters[b] (the index of the token drawn, for `sample_batch`).
+        Grows the page tables and advances the lengths. -> (tokens, fp32 logprobs, whether the row's logits were
+        all finite); a row that was not finite got a meaningless token. `with_logits` adds the fp32 logits [n, V]
+        (a copy, on the device) as a fourth element, for tests."""
+        ps = self.pool.page_size
+        for s in seqs:
+            s.grow(self.pool, s.length + 1)
+        n = len(seqs)
+        B, P = batch_bucket(n), page_bucket(max(len(s.pages) for s in seqs))
+        buf = self.buffers.get((B, P))
+        if buf is None:
+            buf = self.buffers[(B, P)] = StepBuffers(B, P, ps, self.device)
+        greedy_only = all(p.greedy for p in params)
+        key = (B, P, greedy_only)
+        if self.graphs and key not in self.captured:
+            self.captured[key] = self._capture(buf, greedy_only)
+
+        ints = torch.zeros(len(StepBuffers.INTS), B, dtype=torch.long)
+        ints[:, :n] = torch.tensor([
+            tokens, slots, [1] * n, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
+            [s.length % ps for s in seqs], [p.top_k for p in params], seeds, counters])
+        floats = torch.zeros(2, B, dtype=torch.float64)
+        floats[:, :n] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                                     dtype=torch.float64)
+        table = torch.zeros(B, P, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            table[b, :len(s.pages)] = torch.tensor(s.pages)
+        buf.ints.copy_(ints)
+        buf.floats.copy_(floats)
+        buf.table.copy_(table)
+
+        if self.graphs:
+            graph, (out, logits) = self.captured[key]
+            graph.replay()
+            self.counters["graph_replays"] += 1
+        else:
+            out, logits = self.run(buf, greedy_only)
+        self.counters["static_steps"] += 1
+        result = out[:, :n].cpu().tolist()  # the step's one host sync
+        for s in seqs:
+            s.length += 1
+        sampled = [int(t) for t in result[0]], result[1], [f > 0 for f in result[2]]
+        return (*sampled, logits[:n].clone()) if with_logits else sampled

@@ -1,0 +1,278 @@
+"""The fast decode path (openk3/serve/static.py): the static step against the general decode path for ragged batches
+whose requests join and leave, the batched device sampler against the per-row reference, and (on CUDA) the
+CUDA-graph step against the eager one."""
+
+import random
+
+import pytest
+import torch
+
+from openk3.serve.runner import ModelRunner
+from openk3.serve.sampler import (SamplingParams, batch_filtered_probs, counter_uniform, filtered_probs,
+                                  sample_batch)
+from openk3.serve.static import batch_bucket, page_bucket
+from tests.helpers import rel_err
+from tests.serve.test_cache import small_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [1, 2, 4, 8, 16, 32, 64, 128, 192]
+    assert [page_bucket(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
+
+
+def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
+    """Drive a reference runner and other runners through the same schedule: prompts prefilled at B = 1,
+    joining the batch at different steps, leaving when their budget runs out (so the batch crosses buckets and
+    the page tables grow across page buckets). Every step, each other runner's logits equal the reference's within
+    `tol`, and with `exact` (fp32) so do their greedy tokens and logprobs. The reference is the general path
+    (`forward`), or the first runner's static step when it has one."""
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    ref, fast = runners[0], runners[1:]
+    plan = [(step, rng.randint(1, 11), rng.randint(2, 9)) for step in (0, 0, 0, 1, 3, 3, 4, 6, 8)]
+    live = []  # per running request: (last token, steps left, [seq per runner])
+    sizes = set()
+    with torch.inference_mode():
+        for step in range(steps):
+            for join_at, n, budget in plan:
+                if join_at != step:
+                    continue
+                prompt = [rng.randrange(V) for _ in range(n)]
+                seqs = []
+                for r in runners:
+                    seq = r_seq(r, n + 16)
+                    states = r.new_states()
+                    logits = r.forward([seq], states, [prompt], logits_to_keep=1)
+                    r.join(states)
+                    seqs.append(seq)
+                live.append([int(logits[0, -1].argmax()), budget, seqs])
+            if not live:
+                continue
+            sizes.add(len(live))
+            tokens = [x[0] for x in live]
+            n = len(live)
+            if ref.decoder is None:
+                want = ref.forward([x[2][0] for x in live], ref.kda, [[t] for t in tokens])[:, -1]
+            else:
+                want = ref.decode([x[2][0] for x in live], tokens, [GREEDY] * n, [0] * n, [0] * n,
+                                  with_logits=True)[3]
+            for i, r in enumerate(fast, start=1):
+                got, logp, finite, logits = r.decode([x[2][i] for x in live], tokens, [GREEDY] * n, [0] * n,
+                                                     [0] * n, with_logits=True)
+                assert rel_err(logits.float().cpu(), want.float().cpu()) < tol, (step, i)
+                assert all(finite)
+                if exact:
+                    assert got == want.argmax(-1).tolist()
+                    lp = torch.log_softmax(want, -1).gather(1, torch.tensor(got, device=want.device)[:, None])[:, 0]
+                    assert max(abs(a - b) for a, b in zip(logp, lp.tolist())) < 1e-4
+            for x, t in zip(live, want.argmax(-1).tolist()):
+                x[0], x[1] = t, x[1] - 1
+            stay = [b for b, x in enumerate(live) if x[1] > 0]
+            for i, r in enumerate(runners):
+                for b, x in enumerate(live):
+                    if b not in stay:
+                        x[2][i].free(r.pool)
+                r.keep_rows(stay)
+            live = [live[b] for b in stay]
+    assert len(sizes) >= 4  # the batch really grew and shrank across buckets
+    for r in (r for r in runners if r.slots is not None):  # running rows hold their slots, the others are free
+        total = len(r.slots.recurrent[0]) - 1 if r.slots.recurrent else 0
+        assert len(r.rows) == len(live) and sorted(r.slots.free + r.rows) == list(range(1, total + 1))
+        for rec in r.slots.recurrent:  # the scratch slot of the padding rows stayed the zero state
+            assert rec[0].abs().max() == 0
+        assert r.pool.storage[0].abs().max() == 0  # and so did the zero page
+    return sizes
+
+
+def r_seq(runner, tokens):
+    from openk3.serve.cache import PagedSeq
+    need = runner.pool.pages_for(tokens)
+    runner.pool.reserve(need)
+    return PagedSeq(reserved=need)
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_static_step_equals_the_general_decode_path(family):
+    model = small_model(family, seed=3)
+    runners = [ModelRunner(model, num_pages=200, page_size=4),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8)]
+    ragged_decode(model, runners)
+
+
+def test_batched_sampler_greedy_is_argmax():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0)) * 3
+    B = logits.shape[0]
+    zeros = torch.zeros(B, dtype=torch.float64)
+    for greedy_only in (True, False):
+        tokens, logprobs = sample_batch(logits, zeros, torch.zeros(B, dtype=torch.long), torch.ones(B),
+                                        torch.arange(B), torch.arange(B), greedy_only=greedy_only)
+        assert tokens.tolist() == logits.argmax(-1).tolist()
+        want = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        assert rel_err(logprobs, want) < 1e-6
+
+
+def test_batched_filtered_probs_equal_the_per_row_reference():
+    """Per-row temperature / top-k / top-p (off, tiny, extreme values included) give filtered_probs row by row."""
+    g = torch.Generator().manual_seed(1)
+    V = 37
+    rows = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+            SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.5, top_k=9, top_p=0.6),
+            SamplingParams(temperature=1e-300), SamplingParams(temperature=2.0, top_p=1e-6),
+            SamplingParams(temperature=1.0, top_k=V + 4)]
+    logits = torch.randn(len(rows), V, generator=g) * 4
+    got = batch_filtered_probs(logits, torch.tensor([p.temperature for p in rows], dtype=torch.float64),
+                               torch.tensor([p.top_k for p in rows]), torch.tensor([p.top_p for p in rows]))
+    for b, p in enumerate(rows):
+        want = filtered_probs(logits[b], p)
+        assert rel_err(got[b], want) < 1e-6, p
+        assert torch.equal(got[b] > 0, want > 0), p
+
+
+def test_batched_sampler_mixes_greedy_and_sampled_rows_and_samples_the_distribution():
+    """Greedy rows (temperature 0) sit next to sampled rows in one call; the sampled rows' draws over many token
+    indices follow the filtered distribution (and never leave its support)."""
+    g = torch.Generator().manual_seed(2)
+    V, draws = 12, 4000
+    logits = torch.randn(3, V, generator=g) * 1.5
+    temperature = torch.tensor([0.0, 0.9, 0.0], dtype=torch.float64)
+    top_k, top_p = torch.tensor([0, 6, 3]), torch.tensor([1.0, 0.9, 0.5])
+    seed = torch.tensor([5, 6, 7])
+    counts = torch.zeros(V)
+    for i in range(0, draws, 500):  # many token indices at once: rows are (seed, counter) pairs
+        n = 500
+        rows = torch.tensor([1] * n)
+        tokens, _ = sample_batch(logits[rows], temperature[rows], top_k[rows], top_p[rows], seed[rows],
+                                 torch.arange(i, i + n))
+        counts += torch.bincount(tokens, minlength=V).float()
+    p = batch_filtered_probs(logits, torch.tensor([1.0, 0.9, 1.0], dtype=torch.float64), top_k, top_p)[1]
+    assert counts[p == 0].sum() == 0
+    assert (counts / draws - p).abs().max() < 0.03
+    tokens, _ = sample_batch(logits, temperature, top_k, top_p, seed, torch.zeros(3, dtype=torch.long))
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_counter_uniform_depends_only_on_the_row():
+    seed, counter = torch.tensor([3, 9, 3, -4]), torch.tensor([0, 0, 1, 2 ** 40])
+    u = counter_uniform(seed, counter, 1000)
+    assert ((u > 0) & (u < 1)).all()
+    assert torch.equal(counter_uniform(seed[2:3], counter[2:3], 1000)[0], u[2])  # the batch around it is irrelevant
+    assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    assert abs(u.mean().item() - 0.5) < 0.02
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_cuda_graph_step_equals_eager_step_and_the_general_path(family):
+    """On CUDA, for ragged batches with requests joining and leaving: in fp32, a dense-FFN model's captured step, its
+    eager static step and the general path agree at fp32's tolerance; in bf16 (the only dtype whose routed experts
+    can be captured: `capture_problem`), the MoE model's captured step equals its eager static step."""
+    model = small_model(family, seed=3, dense=True).cuda()
+    runners = [ModelRunner(model, num_pages=200, page_size=4),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8, graphs=True)]
+    ragged_decode(model, runners, tol=1e-4)
+    assert runners[2].decoder.counters["graph_replays"] > 0
+    model = small_model(family, seed=3).cuda().cast(torch.bfloat16)
+    runners = [ModelRunner(model, num_pages=200, page_size=4, slots=8),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8, graphs=True)]
+    ragged_decode(model, runners, tol=2e-2, exact=False)
+    assert runners[1].decoder.counters["graph_replays"] > 0
+
+
+@cuda
+@pytest.mark.gpu
+def test_capture_problem_names_the_fp32_moe():
+    """fp32 routed experts cannot be captured (a host loop over experts): graphs=True says why, the engine's
+    default then runs the fast path eagerly and says so."""
+    from openk3.serve.engine import Engine, EngineConfig
+
+    model = small_model("k3").cuda()
+    with pytest.raises(ValueError, match="syncs with the host"):
+        ModelRunner(model, num_pages=20, page_size=4, slots=2, graphs=True)
+    assert Engine(model, EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"].startswith("fast, eager")
+    assert Engine(small_model("k3", dense=True).cuda(),
+                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs"
+
+
+# ops that read a device value back to the host (or whose output size depends on values, so CUDA syncs for it)
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "bincount", "unique", "masked_select", "item", "_unique2",
+               "repeat_interleave", "equal", "is_nonzero")
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_the_static_step_has_no_host_sync(family, greedy_only):
+    """Every aten op one static step runs (model forward + sampler), seen through a dispatch mode: none of them
+    syncs with the host, so the step can be captured as a CUDA graph; the step's only sync is its result copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    model = small_model(family, seed=4)
+    runner = ModelRunner(model, num_pages=50, page_size=4, slots=4)
+    with torch.inference_mode():
+        seq = r_seq(runner, 12)
+        states = runner.new_states()
+        runner.forward([seq], states, [[3, 4, 5]])
+        runner.join(states)
+        runner.decode([seq], [6], [GREEDY], [0], [0])  # builds the bucket's buffers, filled with this row
+        (buf,) = runner.decoder.buffers.values()
+        with Ops() as ops:
+            runner.decoder._run(buf, greedy_only)
+    bad = sorted({n for n in ops.names if n in SYNCING_OPS})
+    assert not bad, bad
+    assert len(ops.names) > 100  # the mode really saw the forward
+    assert ("sort" in ops.names) != greedy_only  # the sampled variant runs the top-k / top-p filter
+
+
+@pytest.mark.slow
+def test_compiled_static_step_equals_the_general_decode_path():
+    """torch.compile of the step (dynamo's tracing with the eager backend here: Inductor's code generation would
+    take minutes on this CPU) traces it whole and keeps it equal to the general path, across recompiles for new
+    buckets."""
+    torch._dynamo.reset()
+    # NOTE: bf16: torch.compile traces torch._grouped_mm (the MoE) in bf16 only (openk3/ops/moe.py)
+    model = small_model("k3", seed=3).cast(torch.bfloat16)
+    runners = [ModelRunner(model, num_pages=200, page_size=4),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8, compile="eager")]
+    ragged_decode(model, runners, steps=8)
+    assert runners[1].decoder.counters["static_steps"] == 8
+
+
+def test_nan_state_fails_only_its_request_on_the_fast_path():
+    """A NaN in one running request's KDA slot gives that row non-finite logits: the request alone ends with
+    finish_reason "error"; the others decode exactly as without it, and a request that later takes the freed slot
+    starts from its own clean state."""
+    from openk3.serve.engine import Engine, EngineConfig
+
+    model = small_model("k3", seed=5)
+    cfg = EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=16, fast_decode=True,
+                       prefix_cache=False)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())
+    clean = [r.output for r in Engine(model, cfg).generate(prompts, params)]
+    engine = Engine(model, cfg)
+    reqs = [engine.submit(p, params) for p in prompts]
+    while len(engine.running) < 3:
+        engine.step()
+    engine.step()
+    slot = engine.target.rows[engine.running.index(reqs[1])]
+    engine.target.slots.recurrent[0][slot] = float("nan")
+    while engine.has_work():
+        engine.step()
+    assert reqs[1].finish_reason == "error" and "NaN" in reqs[1].error
+    assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
+    assert engine.generate([prompts[1]], params)[0].output == clean[1]  # the NaN slot is clean for its next user
+    assert engine.pool.reserved == 0 and not engine.running and len(engine.target.slots.free) == 4
+    assert engine.counters["finished"] == 4  # each request ended once
