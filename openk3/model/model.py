@@ -256,9 +256,10 @@ class KimiDeltaAttention(nn.Module):
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
     # context-parallel kernel.
     def qkv_proj(self, x: Tensor) -> Tensor:
-        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side). One matmul with the three
-        weights stacked (a copy of the weights, not of the far larger activations)."""
-        return F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side).
+        NOTE: calls the three Linear modules (not one matmul over their stacked weights): FSDP2's bf16 policy shards
+        each of them as its own unit, and only a module's own call gathers its weight."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def kernel_inputs(self, x: Tensor, qkv: Tensor, pos: Tensor | None,
                       tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -411,8 +412,23 @@ class Experts(nn.Module):
         """sum_k w[t, k] E_idx[t, k](z_t) [T, De] (openk3.ops.moe_experts). parallel/expert.py swaps this forward
         for the expert-parallel one."""
         # NOTE: under autocast z is bf16 while the stacked expert parameters stay fp32: cast them like a Linear would
-        return moe_experts(z, idx, w.to(z.dtype), self.w1.to(z.dtype), self.w2.to(z.dtype), self.w3.to(z.dtype), act,
-                           weight_fn=weight_fn)
+        weights = [p.to(z.dtype) for p in (self.w1, self.w2, self.w3)]
+        if weight_fn is fake_quant_mxfp4 and self.on_mxfp4_grid(weights):
+            weight_fn = None
+        return moe_experts(z, idx, w.to(z.dtype), *weights, act, weight_fn=weight_fn)
+
+    def on_mxfp4_grid(self, weights: list[Tensor]) -> bool:
+        """Outside autograd: whether the expert weights are already MXFP4 values (a model loaded from an MXFP4
+        checkpoint), so fake-quantising them is the identity and can be skipped. Checked once per version of the
+        weights (`_version` counts in-place writes: a weight load or an optimizer step makes it check again).
+        Under autograd it answers False: training fake-quantises every step, as before."""
+        if torch.is_grad_enabled():
+            return False
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in (self.w1, self.w2, self.w3)) + (weights[0].dtype,)
+        if getattr(self, "_grid_key", None) != key:
+            self._on_grid = all(torch.equal(fake_quant_mxfp4(t), t) for t in weights)
+            self._grid_key = key
+        return self._on_grid
 
 
 class MoE(nn.Module):

@@ -273,3 +273,38 @@ def test_record_returns_router_stats_and_leaves_no_state():
     assert plain.router is None and plain.attnres is None
     assert torch.equal(plain.logits, out.logits)  # recording changes no number
     assert_unchanged(before, module_attributes(model))
+
+
+def test_mxfp4_experts_on_grid_skip_fake_quant_exactly(monkeypatch):
+    """Inference on MXFP4 weights skips the (identity) weight fake-quant; off the grid, or once the weights change
+    in place, it fake-quantises again, so the output always equals the fake-quantised forward."""
+    import openk3.model.model as mm
+    from openk3.ops.mxfp import fake_quant_mxfp4
+
+    torch.manual_seed(3)
+    model = K3ForCausalLM(tiny(), qat=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    experts = [m.experts for m in model.moe_layers()]
+    calls = []
+
+    def counting(t):
+        calls.append(1)
+        return fake_quant_mxfp4(t)
+
+    with torch.no_grad():
+        off_grid = model(ids).logits  # random weights: not on the grid, quantised every forward
+        assert not any(e._on_grid for e in experts)
+        for e in experts:  # what loading an MXFP4 checkpoint gives: weights already on the grid
+            for p in (e.w1, e.w2, e.w3):
+                p.copy_(fake_quant_mxfp4(p))
+        on_grid = model(ids).logits
+        assert all(e._on_grid for e in experts)
+        assert torch.equal(on_grid, off_grid)  # fake-quant is idempotent: same logits, bit for bit
+        monkeypatch.setattr(mm, "fake_quant_mxfp4", counting)
+        model(ids)
+        assert calls == []  # on the grid, unchanged weights: no weight is fake-quantised
+        experts[0].w1.add_(0.01)  # an in-place write (a weight load, an optimizer step) makes it check again
+        again = model(ids).logits
+        assert calls and not experts[0]._on_grid
+        monkeypatch.undo()
+        assert torch.equal(again, model(ids).logits)
