@@ -252,9 +252,10 @@ class ContextParallel:
     def _mla_forward(self, attn: GatedMLA):
         plain = attn.forward
 
-        def forward(x: Tensor, mask: Tensor | None = None, state=None, absorb: bool | None = None) -> Tensor:
+        def forward(x: Tensor, mask: Tensor | None = None, state=None, absorb: bool | None = None,
+                    varlen: tuple[Tensor, int] | None = None) -> Tensor:
             if self.cu_seqlens is None:
-                return plain(x, mask=mask, state=state, absorb=absorb)
+                return plain(x, mask=mask, state=state, absorb=absorb, varlen=varlen)
             if state is not None:
                 raise ValueError("a decode cache cannot be combined with context parallelism")
             return mla_context_parallel(attn, x, self.cu_seqlens, self.group)
