@@ -42,6 +42,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -614,6 +615,17 @@ def first_difference(a: dict, b: dict, prefix: str = "") -> tuple[str, object, o
     return None
 
 
+def heartbeat(message: str, every_s: float) -> threading.Event:
+    """Print `message` with the seconds elapsed every `every_s` to stderr until the returned event is set."""
+    done, t0 = threading.Event(), time.time()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            print(f"  {message}... {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    threading.Thread(target=beat, daemon=True).start()
+    return done
+
+
 def autocast(args_dtype: str, device: torch.device):
     """bf16 autocast on CUDA for --dtype bf16 (parameters and optimizer state stay fp32), else nothing.
     The model keeps its fp32 islands (router, gates, recurrent state, AttnRes, loss) fp32 under autocast."""
@@ -962,6 +974,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}}
 
+    # the first GPU step compiles (and without shipped fla configs, autotunes) the Triton kernels: say it is alive
+    first_step = heartbeat("first step: compiling GPU kernels", 30.0) if device.type == "cuda" and main else None
     while step < end:
         t_step = time.time()
         lr_scale = cosine_schedule(step, args.steps, args.warmup, args.min_lr_ratio)
@@ -991,6 +1005,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                 attnres = out.attnres
             tokens_seen += ids.numel() * world
             interval_tokens += ids.numel() * world
+        if first_step is not None:
+            first_step.set()
+            first_step = None
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         if expert_params:  # gradients on two meshes: FSDP's and the experts'
             finish_expert_gradients_(expert_params, ep_mesh, world)

@@ -412,3 +412,17 @@ def test_rerun_after_a_run_killed_before_its_first_checkpoint_logs_each_step_onc
     train(args_for(workdir, "killed", steps=2))
     steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_heartbeat_prints_until_set(capsys):
+    """The first GPU step's 'still compiling' lines: printed every period while running, none after the event."""
+    import time
+
+    from openk3.train.trainer import heartbeat
+    done = heartbeat("compiling", 0.05)
+    time.sleep(0.18)
+    done.set()
+    time.sleep(0.1)
+    n = capsys.readouterr().err.count("compiling...")
+    time.sleep(0.12)
+    assert n >= 2 and capsys.readouterr().err.count("compiling...") == 0
