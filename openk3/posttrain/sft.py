@@ -57,12 +57,14 @@ def encode_conversation(tokenizer, messages: list[dict], *, tools: list | None =
     return ids + rest, target + [False] * len(rest)
 
 
-def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) -> list[dict]:
+def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int, pad_joins_last: bool = False) -> list[dict]:
     """Whole documents into rows of `seq_len` tokens, first fit (each goes into the first row with room; measured
     on the demo's 1,200 conversations in 512-token rows: 68% of the row tokens were real with in-order filling, 95%
     with first fit).
     Each row: {"ids": [T], "labels": [T], "starts": [document starts in the row, 0 first]}; labels[t] = ids[t + 1]
-    when that token is a target of the same document, else IGNORE_INDEX; the padding is a document of its own."""
+    when that token is a target of the same document, else IGNORE_INDEX; the padding is a document of its own, or
+    with `pad_joins_last` the tail of the row's last document (its labels are IGNORE_INDEX and, the model being
+    causal, no real token sees it; one sequence fewer for KDA's layout, see `length_grouped_batches`)."""
     rows = []
     for n, (ids, target) in enumerate(docs):
         if len(ids) > seq_len:
@@ -77,10 +79,45 @@ def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) ->
     for row in rows:
         pad = seq_len - len(row["ids"])
         if pad:
-            row["starts"].append(len(row["ids"]))
+            if not pad_joins_last:
+                row["starts"].append(len(row["ids"]))
             row["ids"] += [pad_id] * pad
             row["labels"] += [IGNORE_INDEX] * pad
     return rows
+
+
+def length_grouped_batches(docs: list[tuple[list[int], list[bool]]], batch_size: int, seq_len: int, pad_id: int,
+                           rng: random.Random, group: int) -> list[list[dict]]:
+    """One epoch of packed batches whose documents have similar lengths: the documents are shuffled, cut into groups
+    of about `group` batches' worth of tokens, each group sorted by length and cut into batches of about
+    `batch_size` x `seq_len` tokens. A batch whose longest document has L tokens packs k = seq_len // L consecutive
+    documents per row, rows as long as the longest row, the padding joined to each row's last document (`pack`'s
+    `pad_joins_last`). The batch order is shuffled.
+
+    NOTE: why: the CPU's chunked KDA (ops/kda/chunk.py) lays the documents of a batch out as N rows padded to the
+    batch's longest document, so it computes N x L_max tokens. Rows packed first fit over the whole data (`pack`)
+    mix a 400-token conversation with 60-token ones and a padding document: measured on the demo's 1,200
+    conversations, 2.8x the real tokens went through KDA; with groups of 16 batches 1.3x (docs/posttrain.md)."""
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    per_group = group * batch_size * seq_len
+    batches, group_docs, tokens = [], [], 0
+    for n, i in enumerate(order):
+        group_docs.append(docs[i])
+        tokens += len(docs[i][0])
+        if tokens < per_group and n + 1 < len(order):
+            continue
+        group_docs.sort(key=lambda d: len(d[0]), reverse=True)
+        while group_docs:
+            k = seq_len // len(group_docs[0][0])
+            take = max(1, batch_size * seq_len // (k * len(group_docs[0][0]))) * k
+            rows = [group_docs[j:j + k] for j in range(0, min(take, len(group_docs)), k)]
+            row_len = max(sum(len(ids) for ids, _ in r) for r in rows)
+            batches.append([pack(r, row_len, pad_id, pad_joins_last=True)[0] for r in rows])
+            group_docs = group_docs[take:]
+        tokens = 0
+    rng.shuffle(batches)
+    return batches
 
 
 def collate(rows: list[dict]) -> Batch:
@@ -119,6 +156,7 @@ class SFTArgs:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    length_groups: int = 16  # batches per length-sorted group (length_grouped_batches); 0 = random rows of seq_len
     seed: int = 0
     log_every: int = 10
     threads: int = 1
@@ -128,7 +166,7 @@ class SFTArgs:
 def sft(args: SFTArgs) -> dict:
     """Run SFT; returns {"losses": [...], "wall_s", "run_dir"}."""
     check_fields(args, counts=("steps", "batch_size", "seq_len", "log_every", "threads"), positive=("lr",),
-                 non_negative=("weight_decay", "grad_clip"))
+                 non_negative=("weight_decay", "grad_clip", "length_groups"))
     if not 0 <= args.warmup < 1:
         raise ValueError(f"--warmup={args.warmup}: a fraction of the steps in [0, 1)")
     if not 0 <= args.min_lr_ratio <= 1:
@@ -156,12 +194,19 @@ def sft(args: SFTArgs) -> dict:
     opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(model.config))
     balancer = RouterBalancer(model, "quantile", 0, 0.0)
     rng, order, pos, losses = random.Random(args.seed), [], 0, []
+    epoch: list[list[dict]] = []
     for step in range(args.steps):
-        if pos + args.batch_size > len(order):  # a new epoch, shuffled
-            order, pos = list(range(len(rows))), 0
-            rng.shuffle(order)
-        picked = [rows[i] for i in (order * 2)[pos:pos + args.batch_size]]  # an epoch shorter than a batch wraps
-        pos += args.batch_size
+        if args.length_groups:
+            if not epoch:  # a new epoch, regrouped
+                epoch = length_grouped_batches(docs, args.batch_size, args.seq_len, tokenizer.pad_id, rng,
+                                               args.length_groups)
+            picked = epoch.pop()
+        else:
+            if pos + args.batch_size > len(order):  # a new epoch, shuffled
+                order, pos = list(range(len(rows))), 0
+                rng.shuffle(order)
+            picked = [rows[i] for i in (order * 2)[pos:pos + args.batch_size]]  # an epoch shorter than a batch wraps
+            pos += args.batch_size
         batch = collate(picked).to(args.device)
         opt.set_lr_scale(cosine_schedule(step, args.steps, args.warmup, args.min_lr_ratio))
         out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens, record=True)
