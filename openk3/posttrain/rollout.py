@@ -73,6 +73,10 @@ class Trajectory:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        return cls(**{**d, "task": Task.from_dict(d["task"])})
+
 
 def _seed(*parts) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1

@@ -175,7 +175,7 @@ def sft(args: SFTArgs) -> dict:
     torch.set_num_threads(args.threads)
     conversations = load_conversations(args.data)
     model, tokenizer, init_dir = load_policy(args.init_from, args.device)
-    run_dir = start_run(args.out, dataclasses.asdict(args))
+    run_dir, _ = start_run(args.out, dataclasses.asdict(args))
     docs = []
     for n, c in enumerate(conversations, start=1):
         try:
