@@ -184,11 +184,12 @@ def sft(args: SFTArgs) -> dict:
             raise ValueError(f"--data {args.data}: conversation {n}: {e}") from None
         if not any(docs[-1][1]):  # NOTE: a batch of such rows has no target token: a NaN loss
             raise ValueError(f"--data {args.data}: conversation {n} has no assistant message: nothing to learn")
-    rows = pack(docs, args.seq_len, tokenizer.pad_id)
+    rows = pack(docs, args.seq_len, tokenizer.pad_id)  # also refuses a conversation longer than --seq-len
     targets = sum(sum(t) for _, t in docs)
     n_tokens = sum(len(i) for i, _ in docs)
-    print(f"sft: {len(docs)} conversations, {n_tokens:,} tokens ({targets:,} assistant) in {len(rows)} rows of "
-          f"{args.seq_len} ({n_tokens / (len(rows) * args.seq_len):.0%} filled); from {init_dir}")
+    layout = (f"batches of similar-length conversations, groups of {args.length_groups} batches" if args.length_groups
+              else f"{len(rows)} rows of {args.seq_len} ({n_tokens / (len(rows) * args.seq_len):.0%} filled)")
+    print(f"sft: {len(docs)} conversations, {n_tokens:,} tokens ({targets:,} assistant) in {layout}; from {init_dir}")
     torch.manual_seed(args.seed)
     model.train()
     opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(model.config))

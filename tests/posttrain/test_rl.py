@@ -256,3 +256,10 @@ def test_kl_coef_adds_the_k3_term_and_zero_leaves_the_loss_alone(policy_dir):
         from openk3.posttrain.rl import check_rl_args
 
         check_rl_args(RLArgs("", "", "general", "low", kl_coef=-1.0))
+
+
+def test_a_prompt_longer_than_the_token_limit_is_named(policy_dir):
+    policy, tok, _ = load_policy(policy_dir)
+    t = start_trajectory(make_task("agent", random.Random(0)), "high", tok, seed=0)
+    with pytest.raises(ValueError, match=f"has {len(t.tokens)} tokens, no room below --max-total-tokens=20"):
+        advance(make_engine(policy.eval(), 64), tok, [t], 0, RolloutLimits(max_total_tokens=20))

@@ -105,3 +105,39 @@ def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path, capsys):
         main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "z")])
     assert "conversation 1 has no assistant message" in capsys.readouterr().err
     assert torch.isfinite(torch.tensor(rows[-1]["loss"]))
+
+
+def test_length_grouped_batches_hold_every_document_once_with_similar_lengths():
+    from openk3.posttrain.sft import length_grouped_batches
+
+    rng = random.Random(3)
+    docs = []
+    for _ in range(150):  # two length clusters, like short and long conversations
+        n = rng.randrange(5, 20) if rng.random() < 0.6 else rng.randrange(60, 100)
+        docs.append(([rng.randrange(30, 300) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)]))
+    batches = length_grouped_batches(docs, 4, 128, 0, random.Random(0), group=4)
+
+    def documents(row):
+        bounds = row["starts"] + [len(row["ids"])]
+        return [(s, e) for s, e in zip(bounds, bounds[1:])]
+
+    seen = []
+    for batch in batches:
+        assert len({len(r["ids"]) for r in batch}) == 1 and len(batch[0]["ids"]) <= 128
+        for r in batch:
+            for s, e in documents(r):
+                # a document, possibly followed by the row's padding (which predicts nothing)
+                ids = next(d for d, _ in docs if r["ids"][s:s + len(d)] == d and all(x == 0 for x in r["ids"][s + len(d):e]))
+                seen.append(tuple(ids))
+                assert all(label == IGNORE_INDEX for label in r["labels"][s + len(ids) - 1:e])
+    assert sorted(seen) == sorted(tuple(d) for d, _ in docs)  # every document exactly once in the epoch
+
+    def kda_tokens(batch_rows):  # what the chunked KDA computes: documents x the longest one
+        spans = [e - s for r in batch_rows for s, e in documents(r)]
+        return len(spans) * max(spans)
+
+    first_fit = pack(docs, 128, 0)
+    shuffled = random.Random(0).sample(first_fit, len(first_fit))
+    random_cost = sum(kda_tokens(shuffled[i:i + 4]) for i in range(0, len(shuffled), 4))
+    grouped_cost = sum(kda_tokens(b) for b in batches)
+    assert grouped_cost < 0.7 * random_cost
