@@ -130,11 +130,11 @@ def test_a_resumed_rollout_continues_under_the_new_policy(policy_dir, tokenizer)
     assert b["mask"].sum() == len(gen) and b["versions"][b["mask"]].tolist() == gen
 
 
-def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path):
+def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path, capsys):
     out = tmp_path / "rl"
     main(["rl", "--init-from", str(policy_dir), "--out", str(out), "--domain", "agent", "--effort", "max",
           "--iterations", "2", "--groups", "2", "--group-size", "2", "--pool", "2", "--b0-samples", "1",
-          "--chunk-tokens", "6", "--max-turn-tokens", "12", "--finish-fraction", "0.5"])
+          "--chunk-tokens", "6", "--max-turn-tokens", "12", "--finish-fraction", "0.5", "--kl-coef", "0.1"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     trained = [r for r in rows if r["trained"]]
@@ -145,6 +145,11 @@ def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path):
     assert rows[0]["effort"] == "max" and rows[0]["domain"] == "agent"
     assert (out / "plots" / "rl.png").is_file() and (out / "b0.json").is_file()
     assert (out / "checkpoints" / "final" / "config.json").is_file()
+    assert json.loads((out / "args.json").read_text())["kl_coef"] == 0.1
+    with pytest.raises(SystemExit):
+        main(["rl", "--init-from", str(policy_dir), "--out", str(out), "--domain", "agent", "--effort", "max",
+              "--resume"])
+    assert "already holds a finished run" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["rl", "--init-from", str(policy_dir), "--out", str(tmp_path / "x"), "--domain", "agent",
               "--effort", "medium"])
