@@ -11,7 +11,7 @@
 # The demo runs under `timeout $BUDGET_S` (default 450 s): when it is cut, the stage in progress is exported too,
 # so a timeout still leaves data; the exit status is then 124.
 #
-# NOTE: shapes are fixed where this script can fix them (SFT: every batch 8 rows x 512 tokens, --sft-length-groups
+# NOTE: shapes are fixed where this script can fix them (SFT: every batch 8 rows x 512 tokens, --sft-length-split
 # 0), because fla autotunes every new kernel shape on its first call (minutes on a fresh machine unless its
 # configs are shipped). The engine's rollouts (prefill chunks, decode batches) still vary with the requests.
 # Sizes can be overridden: N_DATA, SFT_STEPS, RL_ITERATIONS, RL_POOL, DISTILL_ITERATIONS, EVAL_PROMPTS.
@@ -38,7 +38,7 @@ start=$(date +%s)
 status=0
 timeout --signal=INT --kill-after=30 "${BUDGET_S:-450}" "$python" -m openk3.cli posttrain-demo \
     --out "$work" --config "$config" --device "$device" \
-    --n-data "${N_DATA:-300}" --sft-steps "${SFT_STEPS:-30}" --sft-length-groups 0 \
+    --n-data "${N_DATA:-300}" --sft-steps "${SFT_STEPS:-30}" --sft-length-split 0 \
     --rl-iterations "${RL_ITERATIONS:-2}" --rl-pool "${RL_POOL:-4}" \
     --distill-iterations "${DISTILL_ITERATIONS:-2}" --eval-prompts "${EVAL_PROMPTS:-4}" \
     --ckpt-every 1000 --export-to "$out" 2>&1 | tee -a "$log" || status=$?

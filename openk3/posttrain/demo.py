@@ -59,7 +59,7 @@ def export(root: Path, to: Path) -> None:
 
 
 def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int = 1024, sft_steps: int = 100,
-         sft_length_groups: int = 16, rl_iterations: int = 5, rl_pool: int = 16, distill_iterations: int = 5,
+         sft_length_split: int = 4, rl_iterations: int = 5, rl_pool: int = 16, distill_iterations: int = 5,
          eval_prompts: int = 12, ckpt_every: int = 1, seed: int = 0, threads: int = 1, device: str = "cpu",
          export_to: str | None = None) -> dict:
     root = Path(out)
@@ -96,7 +96,7 @@ def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int 
         stage("data+init", prepare)
     if not is_finished(root / "sft"):
         stage("sft", lambda: sft(SFTArgs(init_from=str(base), data=str(root / "sft.jsonl"), out=str(root / "sft"),
-                                         steps=sft_steps, length_groups=sft_length_groups, seed=seed,
+                                         steps=sft_steps, length_split=sft_length_split, seed=seed,
                                          threads=threads, device=device)))
     for domain, effort in COMBOS:
         run = root / "rl" / f"{domain}-{effort}"
@@ -123,7 +123,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("posttrain-demo", description="SFT -> RL (3 domains x 3 efforts) -> MOPD at tiny scale.")
     p.add_argument("--out", default="runs/posttrain-demo", help="root directory of the demo's runs")
     p.add_argument("--config", default="tiny", help="model preset or config.json [tiny]")
-    for name, v in (("n_data", 1200), ("vocab_size", 1024), ("sft_steps", 100), ("sft_length_groups", 16),
+    for name, v in (("n_data", 1200), ("vocab_size", 1024), ("sft_steps", 100), ("sft_length_split", 4),
                     ("rl_iterations", 5), ("rl_pool", 16), ("distill_iterations", 5), ("eval_prompts", 12),
                     ("ckpt_every", 1), ("seed", 0), ("threads", 1)):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=v, help=f"[{v}]")

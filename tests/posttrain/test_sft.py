@@ -107,37 +107,40 @@ def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path, capsys):
     assert torch.isfinite(torch.tensor(rows[-1]["loss"]))
 
 
-def test_length_grouped_batches_hold_every_document_once_with_similar_lengths():
-    from openk3.posttrain.sft import length_grouped_batches
+def test_length_split_is_the_cheapest_grouping():
+    from itertools import combinations
+
+    from openk3.posttrain.sft import length_split
 
     rng = random.Random(3)
-    docs = []
-    for _ in range(150):  # two length clusters, like short and long conversations
-        n = rng.randrange(5, 20) if rng.random() < 0.6 else rng.randrange(60, 100)
-        docs.append(([rng.randrange(30, 300) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)]))
-    batches = length_grouped_batches(docs, 4, 128, 0, random.Random(0), group=4)
+    lengths = [rng.randrange(5, 20) if rng.random() < 0.6 else rng.randrange(60, 100) for _ in range(11)]
 
-    def documents(row):
-        bounds = row["starts"] + [len(row["ids"])]
-        return [(s, e) for s, e in zip(bounds, bounds[1:])]
+    def cost(groups):
+        return sum(len(g) * max(lengths[i] for i in g) for g in groups)
 
-    seen = []
-    for batch in batches:
-        assert len({len(r["ids"]) for r in batch}) == 1 and len(batch[0]["ids"]) <= 128
-        for r in batch:
-            for s, e in documents(r):
-                # a document, possibly followed by the row's padding (which predicts nothing)
-                ids = next(d for d, _ in docs if r["ids"][s:s + len(d)] == d and all(x == 0 for x in r["ids"][s + len(d):e]))
-                seen.append(tuple(ids))
-                assert all(label == IGNORE_INDEX for label in r["labels"][s + len(ids) - 1:e])
-    assert sorted(seen) == sorted(tuple(d) for d, _ in docs)  # every document exactly once in the epoch
+    order = sorted(range(11), key=lambda i: lengths[i], reverse=True)
+    for parts in (1, 2, 3):
+        groups = length_split(lengths, parts)
+        assert sorted(i for g in groups for i in g) == list(range(11)) and len(groups) <= parts
+        brute = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (11,))])
+                    for k in range(parts) for cuts in combinations(range(1, 11), k))
+        assert cost(groups) == brute
+    assert cost(length_split(lengths, 3)) < 0.6 * cost([list(range(11))])
 
-    def kda_tokens(batch_rows):  # what the chunked KDA computes: documents x the longest one
-        spans = [e - s for r in batch_rows for s, e in documents(r)]
-        return len(spans) * max(spans)
 
-    first_fit = pack(docs, 128, 0)
-    shuffled = random.Random(0).sample(first_fit, len(first_fit))
-    random_cost = sum(kda_tokens(shuffled[i:i + 4]) for i in range(0, len(shuffled), 4))
-    grouped_cost = sum(kda_tokens(b) for b in batches)
-    assert grouped_cost < 0.7 * random_cost
+def test_split_micro_batches_give_the_loss_and_gradient_of_the_whole_batch(policy_dir, tokenizer):
+    from openk3.posttrain.policy import load_policy
+    from openk3.posttrain.sft import sft_backward
+    from openk3.posttrain.synth import generate
+
+    convs = generate(12, seed=5)
+    docs = [encode_conversation(tokenizer, c["messages"], tools=c["tools"], effort=c["effort"]) for c in convs]
+    rows = pack(docs, max(len(i) for i, _ in docs) + 37, tokenizer.pad_id)
+    assert len(rows) >= 3
+    grads, losses = [], []
+    for split in (0, 3):
+        model = load_policy(policy_dir)[0].train()
+        losses.append(sft_backward(model, docs, rows, split, "cpu"))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-4
