@@ -7,7 +7,8 @@
 #
 # After every stage OUT holds, flat (a device run brings back a few small files): timings.json (seconds per
 # stage), sft_metrics.jsonl, rl_metrics.jsonl (all nine policies), distill_metrics.jsonl, report.md (teachers vs
-# student), log.txt. The run itself (checkpoints: ~3.6 GB each at k3-1b in fp32, 11 of them) lives in $WORK, not OUT.
+# student), log.txt. The run itself (checkpoints: ~2.9 GB each at k3-1b with the demo's vocabulary in fp32, 11 of
+# them) lives in $WORK, not OUT.
 # The demo runs under `timeout $BUDGET_S` (default 450 s): when it is cut, the stage in progress is exported too,
 # so a timeout still leaves data; the exit status is then 124.
 #

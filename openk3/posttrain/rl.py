@@ -278,7 +278,8 @@ def update(policy, reference, opt, trajs: list[Trajectory], b0: dict, tau: float
             "mixed_version": sum(len({v for v, w in zip(t.versions, t.written) if w}) > 1 for t in trajs),
             "kl_to_init": float(((logp.detach() - ref_logp) * mask).sum() / n), "kl_k3_to_init": float(kl.detach()),
             "train_infer_logp_gap": float(((logp.detach() - b["old"].to(logp.device)).abs() * mask).sum() / n),
-            "loss": float(loss.detach()), "pg_loss": float(pg_loss.detach()), "clip_frac": float(clip_frac), "grad_norm": grad_norm,
+            "loss": float(loss.detach()), "pg_loss": float(pg_loss.detach()), "clip_frac": float(clip_frac),
+            "grad_norm": grad_norm,
             "b0_mean": sum(b0[t.task.id] for t in trajs) / len(trajs)}
 
 
