@@ -9,8 +9,10 @@
      hold all nine);
   4. `distill` (MOPD) of the nine into one student, and the report: success and reasoning length per domain and
      effort of each teacher, the SFT start and the student (distill/report.md).
-A stage whose run directory already holds a finished checkpoint is skipped, so an interrupted demo continues at the
-stage it was in. Wall time per stage goes to timings.json.
+A stage whose run directory already holds a finished checkpoint is skipped, and an RL or distill run killed midway
+resumes from its last checkpoint (`--resume`), so an interrupted demo continues where it was. Wall time per stage
+goes to timings.json; with `--export DIR`, timings.json and every stage's metrics (flat names: sft_metrics.jsonl,
+rl_metrics.jsonl, distill_metrics.jsonl, report.md) are copied to DIR after every stage (bench/posttrain_gpu.sh).
 
 NOTE: the tiny preset's MXFP4 experts are turned off here (`quantization_config` None): fake-quantised experts made
 decoding about 3x slower on this CPU (measured: 16 sequences x 60 tokens, 4.0 s with QAT, 1.4 s without).
@@ -29,7 +31,7 @@ from openk3.config import get_config
 from openk3.model.checkpoint import CHECKPOINTS, LATEST, init_checkpoint
 from openk3.posttrain.distill import COMBOS, DistillArgs, distill
 from openk3.posttrain.plots import plot_rl
-from openk3.posttrain.policy import METRICS_FILE
+from openk3.posttrain.policy import METRICS_FILE, is_finished
 from openk3.posttrain.rl import RLArgs, rl
 from openk3.posttrain.sft import SFTArgs, sft
 from openk3.posttrain.synth import generate, write_jsonl
@@ -38,13 +40,28 @@ from openk3.text.tokenizer import train_bpe
 from openk3.train.trainer import write_json, write_text_atomic
 
 
-def _done(run_dir: Path) -> bool:
-    return (run_dir / CHECKPOINTS / LATEST).is_file()
+def _started(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a checkpoint of an unfinished run (one to `--resume`)."""
+    return (run_dir / CHECKPOINTS / LATEST).is_file() and not is_finished(run_dir)
+
+
+def export(root: Path, to: Path) -> None:
+    """Copy timings.json and the metrics of every stage so far into `to`, flat (no checkpoints: a device run
+    brings back a few small files two folders deep at most)."""
+    to.mkdir(parents=True, exist_ok=True)
+    files = {"timings.json": root / "timings.json", "sft_metrics.jsonl": root / "sft" / METRICS_FILE,
+             "distill_metrics.jsonl": root / "distill" / METRICS_FILE, "report.md": root / "distill" / "report.md"}
+    for name, src in files.items():
+        if src.is_file():
+            write_text_atomic(to / name, src.read_text())
+    rl_rows = [(root / "rl" / f"{d}-{e}" / METRICS_FILE) for d, e in COMBOS]
+    write_text_atomic(to / "rl_metrics.jsonl", "".join(p.read_text() for p in rl_rows if p.is_file()))
 
 
 def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int = 1024, sft_steps: int = 100,
-         rl_iterations: int = 5, rl_pool: int = 16, distill_iterations: int = 5, eval_prompts: int = 12,
-         seed: int = 0, threads: int = 1, device: str = "cpu") -> dict:
+         sft_length_split: int = 4, rl_iterations: int = 5, rl_pool: int = 16, distill_iterations: int = 5,
+         eval_prompts: int = 12, ckpt_every: int = 1, seed: int = 0, threads: int = 1, device: str = "cpu",
+         export_to: str | None = None) -> dict:
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     timings_file = root / "timings.json"
@@ -56,6 +73,8 @@ def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int 
         fn()
         timings[name] = round(time.time() - t, 1)
         write_json(timings_file, timings)
+        if export_to:
+            export(root, Path(export_to))
         print(f"== {name}: {timings[name]:.0f} s", flush=True)
 
     base = root / "base"
@@ -75,23 +94,25 @@ def demo(out: str, *, config: str = "tiny", n_data: int = 1200, vocab_size: int 
                 shutil.rmtree(base)
             os.rename(tmp, base)
         stage("data+init", prepare)
-    if not _done(root / "sft"):
+    if not is_finished(root / "sft"):
         stage("sft", lambda: sft(SFTArgs(init_from=str(base), data=str(root / "sft.jsonl"), out=str(root / "sft"),
-                                         steps=sft_steps, seed=seed, threads=threads, device=device)))
+                                         steps=sft_steps, length_split=sft_length_split, seed=seed,
+                                         threads=threads, device=device)))
     for domain, effort in COMBOS:
         run = root / "rl" / f"{domain}-{effort}"
-        if not _done(run):
+        if not is_finished(run):
             stage(f"rl {domain}-{effort}", lambda: rl(RLArgs(
                 init_from=str(root / "sft"), out=str(run), domain=domain, effort=effort, iterations=rl_iterations,
-                pool=rl_pool, seed=seed, threads=threads, device=device)))
+                pool=rl_pool, ckpt_every=ckpt_every, seed=seed, threads=threads, device=device,
+                resume=_started(run))))
     merged = [line for d, e in COMBOS for line in (root / "rl" / f"{d}-{e}" / METRICS_FILE).read_text().splitlines()]
     write_text_atomic(root / "rl" / METRICS_FILE, "".join(line + "\n" for line in merged))
     plot_rl(root / "rl")  # all nine policies in one figure: reasoning length by effort, per domain
-    if not _done(root / "distill"):
-        stage("distill+report", lambda: distill(DistillArgs(student=str(root / "sft"), teachers=str(root / "rl"),
-                                                            out=str(root / "distill"), iterations=distill_iterations,
-                                                            eval_prompts=eval_prompts, seed=seed, threads=threads,
-                                                            device=device)))
+    if not is_finished(root / "distill"):
+        stage("distill+report", lambda: distill(DistillArgs(
+            student=str(root / "sft"), teachers=str(root / "rl"), out=str(root / "distill"),
+            iterations=distill_iterations, eval_prompts=eval_prompts, ckpt_every=ckpt_every, seed=seed,
+            threads=threads, device=device, resume=_started(root / "distill"))))
     timings["this_invocation_s"] = round(time.time() - t_all, 1)
     write_json(timings_file, timings)
     print(f"posttrain-demo: done; stage times {timings}; report in {root / 'distill' / 'report.md'}")
@@ -102,8 +123,10 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("posttrain-demo", description="SFT -> RL (3 domains x 3 efforts) -> MOPD at tiny scale.")
     p.add_argument("--out", default="runs/posttrain-demo", help="root directory of the demo's runs")
     p.add_argument("--config", default="tiny", help="model preset or config.json [tiny]")
-    for name, v in (("n_data", 1200), ("vocab_size", 1024), ("sft_steps", 100), ("rl_iterations", 5), ("rl_pool", 16),
-                    ("distill_iterations", 5), ("eval_prompts", 12), ("seed", 0), ("threads", 1)):
+    for name, v in (("n_data", 1200), ("vocab_size", 1024), ("sft_steps", 100), ("sft_length_split", 4),
+                    ("rl_iterations", 5), ("rl_pool", 16), ("distill_iterations", 5), ("eval_prompts", 12),
+                    ("ckpt_every", 1), ("seed", 0), ("threads", 1)):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=v, help=f"[{v}]")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--export-to", metavar="DIR", help="after every stage, copy timings and metrics (flat) into DIR")
     p.set_defaults(fn=lambda ns: demo(**{k: v for k, v in vars(ns).items() if k not in ("fn", "command")}))

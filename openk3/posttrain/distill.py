@@ -14,7 +14,8 @@ student's tokens (`Engine.score`); each student-written token y_t gets the rewar
 per-token advantage in the same clipped surrogate as RL (`rl.clipped_pg_loss`), against the log-probs of the
 student that sampled it. After training, every teacher, the starting student and the distilled student are
 evaluated on held-out prompts of each domain and effort: task success and mean reasoning tokens
-(report.json, report.md, plots/report.png).
+(report.json, report.md, plots/report.png). Every `--ckpt-every` iterations a checkpoint (weights, optimizer, RNG,
+the iteration) lets `--resume` continue a killed run.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from openk3.model.checkpoint import find_checkpoint
+from openk3.model.checkpoint import CHECKPOINTS, LATEST, find_checkpoint
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import (add_fields, check_fields, load_policy, log_metrics, make_engine, save_policy,
-                                     start_run, token_logprobs)
+from openk3.posttrain.policy import (add_fields, check_fields, is_finished, load_policy, load_state, log_metrics,
+                                     make_engine, save_policy, save_state, start_run, token_logprobs)
 from openk3.posttrain.rl import clipped_pg_loss, pad_batch
 from openk3.posttrain.rollout import RolloutLimits, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
@@ -51,12 +52,18 @@ def mopd_rewards(teacher_logp: Tensor, student_logp: Tensor, R: float) -> Tensor
 
 
 def teacher_dirs(root: str | Path) -> dict[tuple[str, str], Path]:
-    """ROOT/<domain>-<effort> for all nine policies; an error names every one that is missing."""
+    """ROOT/<domain>-<effort> for all nine policies (finished run directories or checkpoints); an error names every
+    one that is missing or unfinished."""
     root = Path(root)
     found, missing = {}, []
     for d, e in COMBOS:
+        run = root / f"{d}-{e}"
+        # NOTE: not find_checkpoint alone: a killed `openk3 rl` run names its last step checkpoint
+        if (run / CHECKPOINTS / LATEST).is_file() and not is_finished(run):
+            missing.append(f"{d}-{e} (unfinished: resume it with `openk3 rl --resume`)")
+            continue
         try:
-            found[(d, e)] = find_checkpoint(root / f"{d}-{e}")
+            found[(d, e)] = find_checkpoint(run)
         except FileNotFoundError:
             missing.append(f"{d}-{e}")
     if missing:
@@ -81,9 +88,12 @@ class DistillArgs:
     max_total_tokens: int = 640
     eval_prompts: int = 16  # held-out prompts per domain and effort for the report (0 = no report)
     grad_clip: float = 1.0
+    ckpt_every: int = 1  # iterations between resumable checkpoints (checkpoints/step_N)
+    keep_last: int = 1
     seed: int = 0
     threads: int = 1
     device: str = "cpu"
+    resume: bool = False
 
 
 def evaluate(engine, tokenizer, tasks_by_domain: dict, effort: str, domain: str, limits: RolloutLimits,
@@ -100,13 +110,13 @@ def evaluate(engine, tokenizer, tasks_by_domain: dict, effort: str, domain: str,
 
 
 def distill(args: DistillArgs) -> dict:
-    check_fields(args, counts=("iterations", "prompts", "samples", "threads"),
+    check_fields(args, counts=("iterations", "prompts", "samples", "threads", "ckpt_every", "keep_last"),
                  positive=("reward_clip", "lr", "clip"), non_negative=("grad_clip", "eval_prompts"))
     t0 = time.time()
     torch.set_num_threads(args.threads)
     dirs = teacher_dirs(args.teachers)
     student, tokenizer, student_dir = load_policy(args.student, args.device)
-    run_dir = start_run(args.out, dataclasses.asdict(args))
+    run_dir, ckpt = start_run(args.out, dataclasses.asdict(args), resume=args.resume)
     limits = RolloutLimits(args.chunk_tokens, args.max_turn_tokens, args.max_total_tokens)
     teachers = {}
     for combo, d in dirs.items():
@@ -122,7 +132,17 @@ def distill(args: DistillArgs) -> dict:
     student.train()
     opt = build_optimizer(student, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(student.config))
     rng = random.Random(args.seed)
-    for it in range(args.iterations):
+    start, elapsed_before = 0, 0.0
+    if ckpt:
+        state = load_state(ckpt)
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        engine.load_weights(student.state_dict())
+        start, elapsed_before = state["step"], state["elapsed_s"]
+        print(f"distill: resumed from {ckpt} at iteration {start}", flush=True)
+    for it in range(start, args.iterations):
         trajs = []
         for d, e in COMBOS:
             for p in range(args.prompts):
@@ -151,10 +171,14 @@ def distill(args: DistillArgs) -> dict:
                "reasoning_tokens": sum(t.reasoning_tokens for t in trajs) / len(trajs),
                "by_combo": {f"{d}-{e}": _combo_kl([t for t in trajs if (t.task.domain, t.effort) == (d, e)],
                                                   trajs, b["old"] - teacher_lp, mask) for d, e in COMBOS},
-               "elapsed_s": time.time() - t0}
+               "elapsed_s": elapsed_before + time.time() - t0}
         log_metrics(run_dir, row)
         print(f"distill iter {it + 1}/{args.iterations}: reverse KL {row['reverse_kl']:.4f}, token reward "
               f"{row['token_reward']:.4f}, success {row['success']:.2f}", flush=True)
+        if (it + 1) % args.ckpt_every == 0 and it + 1 < args.iterations:
+            save_state(run_dir, it + 1, student, tokenizer, args, {
+                "step": it + 1, "elapsed_s": row["elapsed_s"], "model": student.state_dict(),
+                "optimizer": opt.state_dict(), "rng": {"python": rng.getstate(), "torch": torch.get_rng_state()}})
     save_policy(run_dir, student, tokenizer)
     report = None
     if args.eval_prompts > 0:
@@ -206,7 +230,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--student", required=True, metavar="DIR", help="the student's starting checkpoint (the SFT model)")
     p.add_argument("--teachers", required=True, metavar="ROOT", help="directory with <domain>-<effort> RL runs")
     p.add_argument("--out", required=True, help="run directory")
-    add_fields(p, d, exclude=("student", "teachers", "out", "device"))
+    add_fields(p, d, exclude=("student", "teachers", "out", "device", "resume"))
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.set_defaults(fn=lambda ns: distill(DistillArgs(**{k: v for k, v in vars(ns).items()
                                                         if k not in ("fn", "command")})))

@@ -5,8 +5,10 @@ A post-training run directory (`--out`):
     args.json             the command's resolved settings
     metrics.jsonl         one JSON object per logged step / iteration
     plots/*.png           drawn from metrics.jsonl
+    checkpoints/step_N/   while running (rl, distill): the policy, posttrain_args.json and trainer_state.pt
+                          (optimizer, RNG, iteration, rl's partial rollouts); `--resume` continues from it
     checkpoints/final/    a release-format model dir + tokenizer (`openk3 chat --model RUN` loads it)
-    checkpoints/latest    "final" once the checkpoint is complete (written last, atomically)
+    checkpoints/latest    names the newest complete checkpoint (written last, atomically); "final" = finished
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,10 +27,13 @@ from openk3.model.checkpoint import CHECKPOINTS, LATEST, find_checkpoint, load_p
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.text.tokenizer import Tokenizer
-from openk3.train.trainer import write_json, write_text_atomic
+from openk3.train.trainer import TRAINER_STATE, save_checkpoint, truncate_metrics, write_json, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 FINAL = "final"
+STATE_ARGS = "posttrain_args.json"  # not train_args.json: `openk3 eval` reads that one as `openk3 train`'s settings
+# settings a resumed run may change (how many iterations, where and how often it saves); all others must match
+RESUME_MAY_CHANGE = ("resume", "iterations", "threads", "device", "ckpt_every", "keep_last")
 
 
 def load_policy(path: str | Path, device: str = "cpu") -> tuple[K3ForCausalLM, Tokenizer, Path]:
@@ -46,25 +52,61 @@ def _qat(model_dir: Path) -> bool:
     return K3Config.load(model_dir).mxfp4_experts
 
 
+def is_finished(run_dir: str | Path) -> bool:
+    """Whether `run_dir` holds a finished run (`latest` names the final checkpoint)."""
+    latest = Path(run_dir) / CHECKPOINTS / LATEST
+    return latest.is_file() and latest.read_text().strip() == FINAL
+
+
 def save_policy(run_dir: Path, model: K3ForCausalLM, tokenizer: Tokenizer) -> Path:
-    """checkpoints/final (atomic: save_pretrained builds it beside and renames), then `latest` names it."""
+    """checkpoints/final (atomic: save_pretrained builds it beside and renames), then `latest` names it; the
+    intermediate step checkpoints are deleted after that (a finished run is not resumed)."""
     final = run_dir / CHECKPOINTS / FINAL
     save_pretrained(model, final)
     tokenizer.save(final)
     write_text_atomic(run_dir / CHECKPOINTS / LATEST, FINAL + "\n")
+    for step_dir in (run_dir / CHECKPOINTS).glob("step_*"):
+        shutil.rmtree(step_dir)
     return final
 
 
-def start_run(out: str | Path, args: dict) -> Path:
-    """Create the run directory, write args.json, start a fresh metrics.jsonl. A directory that already holds a
-    finished checkpoint is refused (runs are not overwritten)."""
+def save_state(run_dir: Path, step: int, model: K3ForCausalLM, tokenizer: Tokenizer, args, state: dict) -> Path:
+    """checkpoints/step_N with the model and `state` (trainer_state.pt), atomically (`trainer.save_checkpoint`)."""
+    return save_checkpoint(run_dir, step, model, tokenizer, args, state, args_file=STATE_ARGS)
+
+
+def load_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
+
+
+def start_run(out: str | Path, args: dict, resume: bool = False) -> tuple[Path, Path | None]:
+    """(run directory, the checkpoint to resume from or None). A fresh run creates the directory, writes args.json
+    and starts a new metrics.jsonl. A directory that holds a finished run is refused (runs are not overwritten), one
+    with an unfinished checkpoint needs `resume` (then its settings must match, but RESUME_MAY_CHANGE, and the
+    metrics logged after that checkpoint are dropped: the resumed run logs them again)."""
     run_dir = Path(out)
-    if (run_dir / CHECKPOINTS / LATEST).is_file():
+    if is_finished(run_dir):
         raise ValueError(f"--out={run_dir} already holds a finished run; choose another --out or delete it")
+    latest = run_dir / CHECKPOINTS / LATEST
+    if resume:
+        if not latest.is_file():
+            raise ValueError(f"--resume: --out={run_dir} holds no checkpoint to resume from")
+        ckpt = run_dir / CHECKPOINTS / latest.read_text().strip()
+        saved = json.loads((run_dir / "args.json").read_text())
+        for k, v in args.items():
+            if k not in RESUME_MAY_CHANGE and saved.get(k) != v:
+                raise ValueError(f"--resume: cannot change --{k.replace('_', '-')} of the run in {run_dir} "
+                                 f"({saved.get(k)!r} -> {v!r}); start a new run instead")
+        write_json(run_dir / "args.json", args)
+        truncate_metrics(run_dir / METRICS_FILE, load_state(ckpt)["step"])
+        return run_dir, ckpt
+    if latest.is_file():
+        raise ValueError(f"--out={run_dir} holds an unfinished run ({latest.read_text().strip()}); pass --resume to "
+                         f"continue it, or choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "args.json", args)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    return run_dir
+    return run_dir, None
 
 
 def log_metrics(run_dir: Path, record: dict) -> None:

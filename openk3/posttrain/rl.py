@@ -15,11 +15,15 @@ One iteration:
      each token (its version is stored per token, so a resumed trajectory mixes versions), clipped PPO surrogate,
      mean over tokens (`clipped_pg_loss`);
   6. the new weights are loaded into the engine, whose prefix cache is dropped (`Engine.load_weights`).
+With `--kl-coef C > 0` the loss adds C x KL(pi || pi_init) by the k3 estimator (`kl_k3`); at 0 (the default) the KL
+is only reported. Every `--ckpt-every` iterations a checkpoint (checkpoints/step_N: weights, optimizer, RNG, the
+partial rollouts with their environment snapshots, the metrics rows) lets `--resume` continue a killed run.
 
 metrics.jsonl, one row per iteration: step, domain, effort, reward, success, reasoning_tokens, budget_penalised,
 truncated, staleness (mean policy versions between sampling and training over trained tokens), partial (carried
 trajectories), mixed_version (trained trajectories sampled by more than one policy), kl_to_init (mean over trained
-tokens of log pi - log pi_init, sampled under the behaviour policy), loss, clip_frac, grad_norm, trained, elapsed_s.
+tokens of log pi - log pi_init, sampled under the behaviour policy: k1), kl_k3_to_init (the same KL by k3), loss,
+pg_loss (without the KL term), clip_frac, grad_norm, trained, elapsed_s.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ import torch
 from torch import Tensor
 
 from openk3.posttrain.envs import DOMAINS, make_task
-from openk3.posttrain.policy import (add_fields, check_fields, load_policy, log_metrics, make_engine, save_policy,
-                                     start_run, token_logprobs)
+from openk3.posttrain.policy import (add_fields, check_fields, load_policy, load_state, log_metrics, make_engine,
+                                     save_policy, save_state, start_run, token_logprobs)
 from openk3.posttrain.rollout import RolloutLimits, Trajectory, _seed, advance, start_trajectory
 from openk3.text.chat import EFFORTS
 from openk3.train.optim import build_optimizer, model_head_dims
@@ -83,6 +87,16 @@ def clipped_pg_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, c
     return -(surr * mask).sum() / n, clipped.sum() / n
 
 
+def kl_k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """KL(pi || pi_ref) by Schulman's k3 estimator ("Approximating KL Divergence", 2020), averaged over the masked
+    tokens: with d = log pi_ref - log pi on tokens sampled from pi, k3 = exp(d) - 1 - d, which is >= 0 for every
+    token (k1 = -d can be negative) and unbiased, with far lower variance than k1 when pi is close to pi_ref (the
+    estimator GRPO adds to its loss). Its gradient in log pi is 1 - pi_ref / pi per token.
+    NOTE: the tokens here come from the behaviour policy mu (a few versions old at most), not exactly pi."""
+    d = ref_logp - logp
+    return ((torch.exp(d) - 1 - d) * mask).sum() / mask.sum().clamp_min(1)
+
+
 def pad_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, Tensor]:
     """Right-padded [B, L] ids and, aligned with the log-probs of ids[:, 1:] ([B, L - 1]): mask (policy-written
     tokens), behaviour log-probs, versions."""
@@ -123,9 +137,13 @@ class RLArgs:
     tau_high: float = TAU["high"]
     tau_max: float = TAU["max"]
     grad_clip: float = 1.0
+    kl_coef: float = 0.0  # weight of the k3 KL to the initial policy in the loss (0: only reported)
+    ckpt_every: int = 1  # iterations between resumable checkpoints (checkpoints/step_N)
+    keep_last: int = 1
     seed: int = 0
     threads: int = 1
     device: str = "cpu"
+    resume: bool = False
 
 
 def check_rl_args(a: RLArgs) -> None:
@@ -133,8 +151,8 @@ def check_rl_args(a: RLArgs) -> None:
         raise ValueError(f"--domain={a.domain!r}: expected one of {list(DOMAINS)}")
     if a.effort not in EFFORTS:
         raise ValueError(f"--effort={a.effort!r}: expected one of {list(EFFORTS)}")
-    check_fields(a, counts=("iterations", "groups", "group_size", "pool", "b0_samples", "threads"),
-                 positive=("lr", "clip"), non_negative=("grad_clip",))
+    check_fields(a, counts=("iterations", "groups", "group_size", "pool", "b0_samples", "threads", "ckpt_every",
+                            "keep_last"), positive=("lr", "clip"), non_negative=("grad_clip", "kl_coef"))
     if a.group_size < 2:
         raise ValueError(f"--group-size={a.group_size}: group-relative advantages need at least 2 samples")
     if not 0 < a.finish_fraction <= 1:
@@ -155,12 +173,14 @@ def estimate_b0(engine, tokenizer, tasks, samples: int, limits: RolloutLimits, s
 
 
 def rl(args: RLArgs) -> dict:
-    """Train one policy; returns {"run_dir", "rows": the metrics rows, "wall_s"}."""
+    """Train one policy; returns {"run_dir", "rows": the metrics rows, "wall_s"}. With `args.resume` a killed run
+    continues from its last checkpoint: weights, optimizer, RNG, the partial rollouts (unfinished trajectories with
+    their environment snapshots, finished ones waiting for their group), the policy version and the metrics."""
     check_rl_args(args)
     t0 = time.time()
     torch.set_num_threads(args.threads)
     policy, tokenizer, init_dir = load_policy(args.init_from, args.device)
-    run_dir = start_run(args.out, dataclasses.asdict(args))
+    run_dir, ckpt = start_run(args.out, dataclasses.asdict(args), resume=args.resume)
     tau = {"low": args.tau_low, "high": args.tau_high, "max": args.tau_max}[args.effort]
     limits = RolloutLimits(args.chunk_tokens, args.max_turn_tokens, args.max_total_tokens)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -168,15 +188,28 @@ def rl(args: RLArgs) -> dict:
                          max_batch=args.groups * args.group_size * 2)
     rng = random.Random(args.seed)
     pool = [make_task(args.domain, rng) for _ in range(args.pool)]
-    b0 = estimate_b0(engine, tokenizer, pool, args.b0_samples, limits, args.seed)
+    state = load_state(ckpt) if ckpt else None
+    b0 = state["b0"] if state else estimate_b0(engine, tokenizer, pool, args.b0_samples, limits, args.seed)
     write_json(run_dir / "b0.json", b0)
     print(f"rl {args.domain}/{args.effort}: b0 mean {sum(b0.values()) / len(b0):.1f} reasoning tokens over "
           f"{len(pool)} prompts, tau {tau}; from {init_dir}", flush=True)
 
     policy.train()
     opt = build_optimizer(policy, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(policy.config))
-    version, carry, waiting, next_group, rows = 0, [], [], 0, []
-    for it in range(args.iterations):
+    version, carry, waiting, next_group, rows, start, elapsed_before = 0, [], [], 0, [], 0, 0.0
+    if state:
+        policy.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        engine.load_weights(policy.state_dict())
+        version, next_group, rows, start = state["version"], state["next_group"], state["rows"], state["step"]
+        carry = [Trajectory.from_dict(d) for d in state["carry"]]
+        waiting = [Trajectory.from_dict(d) for d in state["waiting"]]
+        elapsed_before = state["elapsed_s"]
+        print(f"rl: resumed from {ckpt} at iteration {start} (policy version {version}, {len(carry)} partial "
+              f"trajectories)", flush=True)
+    for it in range(start, args.iterations):
         fresh = []
         for _ in range(args.groups):
             task = pool[rng.randrange(len(pool))]
@@ -196,11 +229,17 @@ def rl(args: RLArgs) -> dict:
             row.update(update(policy, reference, opt, ready, b0, tau, version, args, tokenizer.pad_id))
             version += 1
             engine.load_weights(policy.state_dict())
-        row["elapsed_s"] = time.time() - t0
+        row["elapsed_s"] = elapsed_before + time.time() - t0
         rows.append(row)
         log_metrics(run_dir, row)
         print(f"rl {args.domain}/{args.effort} iter {it + 1}/{args.iterations}: "
               + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if isinstance(v, float)), flush=True)
+        if (it + 1) % args.ckpt_every == 0 and it + 1 < args.iterations:
+            save_state(run_dir, it + 1, policy, tokenizer, args, {
+                "step": it + 1, "version": version, "next_group": next_group, "rows": rows, "b0": b0,
+                "carry": [t.to_dict() for t in carry], "waiting": [t.to_dict() for t in waiting],
+                "elapsed_s": row["elapsed_s"], "model": policy.state_dict(), "optimizer": opt.state_dict(),
+                "rng": {"python": rng.getstate(), "torch": torch.get_rng_state()}})
     save_policy(run_dir, policy, tokenizer)
     from openk3.posttrain import plots
 
@@ -222,8 +261,10 @@ def update(policy, reference, opt, trajs: list[Trajectory], b0: dict, tau: float
     logp = token_logprobs(policy, ids)
     with torch.no_grad():
         ref_logp = token_logprobs(reference, ids)
-    loss, clip_frac = clipped_pg_loss(logp, b["old"].to(args.device), adv.to(args.device)[:, None].expand_as(logp),
-                                      mask, args.clip)
+    pg_loss, clip_frac = clipped_pg_loss(logp, b["old"].to(args.device),
+                                         adv.to(args.device)[:, None].expand_as(logp), mask, args.clip)
+    kl = kl_k3(logp, ref_logp, mask)
+    loss = pg_loss + args.kl_coef * kl if args.kl_coef else pg_loss  # 0: exactly the loss without the term
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip or float("inf")))
     opt.step()
@@ -235,9 +276,10 @@ def update(policy, reference, opt, trajs: list[Trajectory], b0: dict, tau: float
             "budget_penalised": sum(penalised) / len(trajs), "truncated": sum(t.truncated for t in trajs) / len(trajs),
             "staleness": float((version - b["versions"])[m].float().mean()) if m.any() else 0.0,
             "mixed_version": sum(len({v for v, w in zip(t.versions, t.written) if w}) > 1 for t in trajs),
-            "kl_to_init": float(((logp.detach() - ref_logp) * mask).sum() / n),
+            "kl_to_init": float(((logp.detach() - ref_logp) * mask).sum() / n), "kl_k3_to_init": float(kl.detach()),
             "train_infer_logp_gap": float(((logp.detach() - b["old"].to(logp.device)).abs() * mask).sum() / n),
-            "loss": float(loss.detach()), "clip_frac": float(clip_frac), "grad_norm": grad_norm,
+            "loss": float(loss.detach()), "pg_loss": float(pg_loss.detach()), "clip_frac": float(clip_frac),
+            "grad_norm": grad_norm,
             "b0_mean": sum(b0[t.task.id] for t in trajs) / len(trajs)}
 
 
@@ -249,7 +291,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--domain", required=True, choices=DOMAINS)
     p.add_argument("--effort", required=True, choices=EFFORTS)
-    add_fields(p, d, exclude=("init_from", "out", "domain", "effort", "device"))
+    add_fields(p, d, exclude=("init_from", "out", "domain", "effort", "device", "resume"))
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.set_defaults(fn=lambda ns: rl(RLArgs(**{k: v for k, v in vars(ns).items() if k not in ("fn", "command")})))
 

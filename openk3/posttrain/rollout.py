@@ -73,6 +73,10 @@ class Trajectory:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        return cls(**{**d, "task": Task.from_dict(d["task"])})
+
 
 def _seed(*parts) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
@@ -124,6 +128,9 @@ def advance(engine: Engine, tokenizer, trajs: list[Trajectory], version: int, li
     markers = {tokenizer.token_id(m) for m in XTML_MARKERS}
     envs = {}
     for t in trajs:
+        if not t.done and len(t.tokens) >= limits.max_total_tokens:
+            raise ValueError(f"the prompt of task {t.task.id} has {len(t.tokens)} tokens, no room below "
+                             f"--max-total-tokens={limits.max_total_tokens}; raise it")
         if not t.done:
             envs[id(t)] = env = make_env(t.task.domain)
             env.restore(t.env_snapshot)

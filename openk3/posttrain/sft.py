@@ -61,17 +61,19 @@ def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) ->
     """Whole documents into rows of `seq_len` tokens, first fit (each goes into the first row with room; measured
     on the demo's 1,200 conversations in 512-token rows: 68% of the row tokens were real with in-order filling, 95%
     with first fit).
-    Each row: {"ids": [T], "labels": [T], "starts": [document starts in the row, 0 first]}; labels[t] = ids[t + 1]
-    when that token is a target of the same document, else IGNORE_INDEX; the padding is a document of its own."""
+    Each row: {"ids": [T], "labels": [T], "starts": [document starts in the row, 0 first], "docs": [their indices
+    in `docs`]}; labels[t] = ids[t + 1] when that token is a target of the same document, else IGNORE_INDEX; the
+    padding is a document of its own."""
     rows = []
     for n, (ids, target) in enumerate(docs):
         if len(ids) > seq_len:
             raise ValueError(f"conversation {n} has {len(ids)} tokens, more than --seq-len={seq_len}; raise --seq-len")
         cur = next((r for r in rows if len(r["ids"]) + len(ids) <= seq_len), None)
         if cur is None:
-            cur = {"ids": [], "labels": [], "starts": []}
+            cur = {"ids": [], "labels": [], "starts": [], "docs": []}
             rows.append(cur)
         cur["starts"].append(len(cur["ids"]))
+        cur["docs"].append(n)
         cur["ids"] += ids
         cur["labels"] += [ids[t + 1] if target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
     for row in rows:
@@ -81,6 +83,58 @@ def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) ->
             row["ids"] += [pad_id] * pad
             row["labels"] += [IGNORE_INDEX] * pad
     return rows
+
+
+def length_split(lengths: list[int], parts: int) -> list[list[int]]:
+    """Indices of documents of these `lengths` in at most `parts` groups of similar length, longest first, chosen
+    to minimise sum over groups of (documents x the group's longest), by dynamic programming over the sorted
+    lengths.
+
+    NOTE: why: the CPU's chunked KDA (ops/kda/chunk.py) lays the N documents of a forward out as N rows padded to
+    the longest, so it computes N x L_max tokens. A random SFT batch mixes 60- and 420-token conversations: on the
+    demo's data 2.8x its real tokens went through KDA; split into 4 such groups (micro-batches of one step,
+    the same gradient), 1.1x (docs/posttrain.md)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    L = [lengths[i] for i in order]
+    n = len(L)
+    # cost[m][j]: the least cost of the j longest documents in at most m groups; a group order[i:j] costs (j - i) L[i]
+    cost = [[0] + [math.inf] * n] + [[0] * (n + 1) for _ in range(parts)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    for m in range(1, parts + 1):
+        for j in range(1, n + 1):
+            cost[m][j], cut[m][j] = min((cost[m - 1][i] + (j - i) * L[i], i) for i in range(j))
+    groups, j, m = [], n, parts
+    while j > 0:
+        i = cut[m][j]
+        groups.append(order[i:j])
+        j, m = i, m - 1
+    return groups[::-1]
+
+
+def sft_backward(model, docs: list[tuple[list[int], list[bool]]], rows: list[dict], split: int, device: str,
+                 balancer: RouterBalancer | None = None) -> float:
+    """Backward of one step's mean loss over the assistant tokens of `rows`; returns the loss. With `split` > 0 the
+    rows' documents are re-packed into at most `split` micro-batches of similar length (`length_split`), one row
+    each, and every micro-batch's loss is weighted by its share of the targets: the same loss and gradient as one
+    forward over `rows` (tested), with far fewer tokens through the CPU's KDA."""
+    if not split:
+        micro = [collate(rows)]
+    else:
+        mine = [docs[i] for row in rows for i in row["docs"]]
+        micro = []
+        for group in length_split([len(ids) for ids, _ in mine], split):
+            part = [mine[i] for i in group]
+            micro.append(collate(pack(part, sum(len(ids) for ids, _ in part), 0)))  # one row, no padding
+    counts = [int((b.labels != IGNORE_INDEX).sum()) for b in micro]
+    total, loss = max(sum(counts), 1), 0.0
+    for batch, count in zip(micro, counts):
+        batch = batch.to(device)
+        out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens, record=balancer is not None)
+        (out.loss * (count / total)).backward()
+        if balancer is not None:
+            balancer.after_forward(out.router)
+        loss += float(out.loss.detach()) * count / total
+    return loss
 
 
 def collate(rows: list[dict]) -> Batch:
@@ -119,6 +173,7 @@ class SFTArgs:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    length_split: int = 4  # micro-batches of similar-length documents per step (sft_backward); 0 = the rows as packed
     seed: int = 0
     log_every: int = 10
     threads: int = 1
@@ -128,7 +183,7 @@ class SFTArgs:
 def sft(args: SFTArgs) -> dict:
     """Run SFT; returns {"losses": [...], "wall_s", "run_dir"}."""
     check_fields(args, counts=("steps", "batch_size", "seq_len", "log_every", "threads"), positive=("lr",),
-                 non_negative=("weight_decay", "grad_clip"))
+                 non_negative=("weight_decay", "grad_clip", "length_split"))
     if not 0 <= args.warmup < 1:
         raise ValueError(f"--warmup={args.warmup}: a fraction of the steps in [0, 1)")
     if not 0 <= args.min_lr_ratio <= 1:
@@ -137,7 +192,7 @@ def sft(args: SFTArgs) -> dict:
     torch.set_num_threads(args.threads)
     conversations = load_conversations(args.data)
     model, tokenizer, init_dir = load_policy(args.init_from, args.device)
-    run_dir = start_run(args.out, dataclasses.asdict(args))
+    run_dir, _ = start_run(args.out, dataclasses.asdict(args))
     docs = []
     for n, c in enumerate(conversations, start=1):
         try:
@@ -146,7 +201,7 @@ def sft(args: SFTArgs) -> dict:
             raise ValueError(f"--data {args.data}: conversation {n}: {e}") from None
         if not any(docs[-1][1]):  # NOTE: a batch of such rows has no target token: a NaN loss
             raise ValueError(f"--data {args.data}: conversation {n} has no assistant message: nothing to learn")
-    rows = pack(docs, args.seq_len, tokenizer.pad_id)
+    rows = pack(docs, args.seq_len, tokenizer.pad_id)  # also refuses a conversation longer than --seq-len
     targets = sum(sum(t) for _, t in docs)
     n_tokens = sum(len(i) for i, _ in docs)
     print(f"sft: {len(docs)} conversations, {n_tokens:,} tokens ({targets:,} assistant) in {len(rows)} rows of "
@@ -162,16 +217,12 @@ def sft(args: SFTArgs) -> dict:
             rng.shuffle(order)
         picked = [rows[i] for i in (order * 2)[pos:pos + args.batch_size]]  # an epoch shorter than a batch wraps
         pos += args.batch_size
-        batch = collate(picked).to(args.device)
         opt.set_lr_scale(cosine_schedule(step, args.steps, args.warmup, args.min_lr_ratio))
-        out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens, record=True)
-        out.loss.backward()
-        balancer.after_forward(out.router)
+        loss = sft_backward(model, docs, picked, args.length_split, args.device, balancer)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")))
         opt.step()
         opt.zero_grad()
         balancer.end_step()
-        loss = float(out.loss.detach())
         if not math.isfinite(loss):
             raise FloatingPointError(f"the SFT loss is {loss} at step {step + 1}; lower --lr")
         losses.append(loss)

@@ -277,9 +277,10 @@ def resolve_train_args(cli: dict, resume: bool) -> TrainArgs:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, tokenizer: Tokenizer, args: TrainArgs,
-                    trainer_state: dict) -> Path:
+                    trainer_state: dict, args_file: str = ARGS_FILE) -> Path:
     """Write checkpoints/step_XXXXXX atomically (built under a temporary name, then renamed), point `latest` at it
-    (also atomically), and delete all but the newest `args.keep_last` checkpoints."""
+    (also atomically), and delete all but the newest `args.keep_last` checkpoints. `args` is any dataclass with a
+    `keep_last`, written to `args_file` (post-training runs name theirs apart from `openk3 train`'s)."""
     ckpt_root = run_dir / CHECKPOINTS
     name = f"step_{step:06d}"
     tmp = ckpt_root / f".{name}.tmp"
@@ -287,7 +288,7 @@ def save_checkpoint(run_dir: Path, step: int, model: K3ForCausalLM, tokenizer: T
         shutil.rmtree(tmp)  # left by a run killed while writing
     save_pretrained(model, tmp)
     tokenizer.save(tmp)
-    write_json(tmp / ARGS_FILE, dataclasses.asdict(args))
+    write_json(tmp / args_file, dataclasses.asdict(args))
     torch.save(trainer_state, tmp / TRAINER_STATE)
     final = ckpt_root / name
     if final.exists():

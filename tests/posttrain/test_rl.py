@@ -130,11 +130,11 @@ def test_a_resumed_rollout_continues_under_the_new_policy(policy_dir, tokenizer)
     assert b["mask"].sum() == len(gen) and b["versions"][b["mask"]].tolist() == gen
 
 
-def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path):
+def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path, capsys):
     out = tmp_path / "rl"
     main(["rl", "--init-from", str(policy_dir), "--out", str(out), "--domain", "agent", "--effort", "max",
           "--iterations", "2", "--groups", "2", "--group-size", "2", "--pool", "2", "--b0-samples", "1",
-          "--chunk-tokens", "6", "--max-turn-tokens", "12", "--finish-fraction", "0.5"])
+          "--chunk-tokens", "6", "--max-turn-tokens", "12", "--finish-fraction", "0.5", "--kl-coef", "0.1"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     trained = [r for r in rows if r["trained"]]
@@ -145,6 +145,11 @@ def test_rl_command_writes_metrics_and_plots(policy_dir, tmp_path):
     assert rows[0]["effort"] == "max" and rows[0]["domain"] == "agent"
     assert (out / "plots" / "rl.png").is_file() and (out / "b0.json").is_file()
     assert (out / "checkpoints" / "final" / "config.json").is_file()
+    assert json.loads((out / "args.json").read_text())["kl_coef"] == 0.1
+    with pytest.raises(SystemExit):
+        main(["rl", "--init-from", str(policy_dir), "--out", str(out), "--domain", "agent", "--effort", "max",
+              "--resume"])
+    assert "already holds a finished run" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["rl", "--init-from", str(policy_dir), "--out", str(tmp_path / "x"), "--domain", "agent",
               "--effort", "medium"])
@@ -215,3 +220,51 @@ def test_bad_settings_name_the_flag():
         sft(SFTArgs("", "", "", warmup=1.0))
     with pytest.raises(ValueError, match="--clip=0.0: must be > 0"):
         distill(DistillArgs("", "", "", clip=0.0))
+
+
+def test_kl_k3_against_a_hand_computation():
+    from openk3.posttrain.rl import kl_k3
+
+    # pi = 0.5 and 0.2, pi_ref = 0.25 and 0.4 (ratios pi_ref / pi = 0.5 and 2); the third token is masked out
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.9]])).requires_grad_(True)
+    ref = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))
+    mask = torch.tensor([[True, True, False]])
+    kl = kl_k3(logp, ref, mask)
+    # k3 = r - 1 - log r: (0.5 - 1 + log 2) + (2 - 1 - log 2) = 0.5 over 2 tokens
+    assert float(kl.detach()) == pytest.approx(0.25, rel=1e-6)
+    kl.backward()  # d k3 / d log pi = 1 - r, over 2 tokens
+    assert logp.grad.tolist()[0] == pytest.approx([0.25, -0.5, 0.0], rel=1e-6)
+    assert float(kl_k3(ref, ref, mask)) == 0.0
+
+
+def test_kl_coef_adds_the_k3_term_and_zero_leaves_the_loss_alone(policy_dir):
+    from openk3.train.optim import build_optimizer
+
+    b0 = {make_task("general", random.Random(0)).id: 10.0}
+    trajs = [hand_made(1.0, 5, "low"), hand_made(1.0, 9, "low"), hand_made(0.0, 5, "low"), hand_made(1.0, 30, "low")]
+    heads = {"kda": 16, "mla_q": 24, "mla_kv": 32}
+    out = {}
+    for coef in (0.0, 0.5):
+        policy, tok, _ = load_policy(policy_dir)
+        reference = load_policy(policy_dir)[0].eval()
+        with torch.no_grad():  # a policy away from its reference, so the KL is not 0
+            for p in reference.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        opt = build_optimizer(policy, lr=1e-4, weight_decay=0.0, head_dims=heads)
+        args = RLArgs("", "", "general", "low", kl_coef=coef)
+        out[coef] = update(policy, reference, opt, trajs, b0, TAU["low"], version=0, args=args, pad_id=tok.pad_id)
+    assert out[0.0]["loss"] == out[0.0]["pg_loss"] and out[0.0]["kl_k3_to_init"] > 0
+    assert out[0.5]["pg_loss"] == pytest.approx(out[0.0]["pg_loss"], rel=1e-6)
+    assert out[0.5]["loss"] == pytest.approx(out[0.5]["pg_loss"] + 0.5 * out[0.5]["kl_k3_to_init"], rel=1e-5)
+    assert out[0.5]["grad_norm"] != pytest.approx(out[0.0]["grad_norm"], rel=1e-3)  # the term reaches the gradient
+    with pytest.raises(ValueError, match="--kl-coef=-1"):
+        from openk3.posttrain.rl import check_rl_args
+
+        check_rl_args(RLArgs("", "", "general", "low", kl_coef=-1.0))
+
+
+def test_a_prompt_longer_than_the_token_limit_is_named(policy_dir):
+    policy, tok, _ = load_policy(policy_dir)
+    t = start_trajectory(make_task("agent", random.Random(0)), "high", tok, seed=0)
+    with pytest.raises(ValueError, match=f"has {len(t.tokens)} tokens, no room below --max-total-tokens=20"):
+        advance(make_engine(policy.eval(), 64), tok, [t], 0, RolloutLimits(max_total_tokens=20))

@@ -105,3 +105,42 @@ def test_sft_command_trains_on_assistant_tokens(policy_dir, tmp_path, capsys):
         main(["sft", "--init-from", str(policy_dir), "--data", str(bad), "--out", str(tmp_path / "z")])
     assert "conversation 1 has no assistant message" in capsys.readouterr().err
     assert torch.isfinite(torch.tensor(rows[-1]["loss"]))
+
+
+def test_length_split_is_the_cheapest_grouping():
+    from itertools import combinations
+
+    from openk3.posttrain.sft import length_split
+
+    rng = random.Random(3)
+    lengths = [rng.randrange(5, 20) if rng.random() < 0.6 else rng.randrange(60, 100) for _ in range(11)]
+
+    def cost(groups):
+        return sum(len(g) * max(lengths[i] for i in g) for g in groups)
+
+    order = sorted(range(11), key=lambda i: lengths[i], reverse=True)
+    for parts in (1, 2, 3):
+        groups = length_split(lengths, parts)
+        assert sorted(i for g in groups for i in g) == list(range(11)) and len(groups) <= parts
+        brute = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (11,))])
+                    for k in range(parts) for cuts in combinations(range(1, 11), k))
+        assert cost(groups) == brute
+    assert cost(length_split(lengths, 3)) < 0.6 * cost([list(range(11))])
+
+
+def test_split_micro_batches_give_the_loss_and_gradient_of_the_whole_batch(policy_dir, tokenizer):
+    from openk3.posttrain.policy import load_policy
+    from openk3.posttrain.sft import sft_backward
+    from openk3.posttrain.synth import generate
+
+    convs = generate(12, seed=5)
+    docs = [encode_conversation(tokenizer, c["messages"], tools=c["tools"], effort=c["effort"]) for c in convs]
+    rows = pack(docs, max(len(i) for i, _ in docs) + 37, tokenizer.pad_id)
+    assert len(rows) >= 3
+    grads, losses = [], []
+    for split in (0, 3):
+        model = load_policy(policy_dir)[0].train()
+        losses.append(sft_backward(model, docs, rows, split, "cpu"))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-4
