@@ -17,7 +17,7 @@ def test_points_fla_at_the_shipped_configs_of_this_gpu(tmp_path, monkeypatch):
     assert tuned.use_shipped_fla_configs("NVIDIA H100 80GB HBM3") is None  # nothing shipped for it
     assert tuned.use_shipped_fla_configs("NVIDIA H200") == d
     import os
-    assert os.environ["FLA_CONFIG_DIR"] == str(d) and os.environ["FLA_CACHE_MODE"] == "fuzzy"
+    assert os.environ["FLA_CONFIG_DIR"] == str(d) and os.environ["FLA_CACHE_MODE"] == "strict"
 
 
 def test_a_users_own_fla_settings_win(tmp_path, monkeypatch):

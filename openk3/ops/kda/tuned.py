@@ -6,8 +6,13 @@ kernel from `$FLA_CONFIG_DIR/{kernel}.json` (`fla.ops.utils.cache`, mode from `F
 files per GPU model under `fla_configs/<GPU name>/`, written by `dump_fla_configs` after a tuned run
 (bench/vs_transformers.py --dump-fla-configs), and points fla at them before fla is first imported.
 
-Lookup mode "fuzzy": an exact shape key first, then a key that differs only in numbers (a config tuned at
-T=16384 serves T=8192), else fla autotunes as before. A user's own FLA_CONFIG_DIR / FLA_CACHE_MODE always win.
+Lookup mode "strict": a kernel takes a shipped config only for exactly the key it was tuned at (fla's keys hold
+head counts, head dims, flags and dtypes, in a few kernels the batch size, never the sequence length, so one file
+covers every length of a model shape); any other key autotunes as before. "fuzzy" would hand a config tuned at head dim 128 to a kernel at
+64, whose shared memory needs differ. A user's own FLA_CONFIG_DIR / FLA_CACHE_MODE always win.
+
+What is shipped (fla_configs/NVIDIA_H200/): the 14 KDA kernels of `kimi-linear-1.5b` training (16 heads x 128,
+bf16), each the best of three candidates (bench/fla_fixed.py), dumped by bench/vs_transformers.py on the H200.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def use_shipped_fla_configs(device_name: str) -> Path | None:
     if not d.is_dir() or not any(d.glob("*.json")):
         return None
     os.environ["FLA_CONFIG_DIR"] = str(d)
-    os.environ["FLA_CACHE_MODE"] = "fuzzy"
+    os.environ["FLA_CACHE_MODE"] = "strict"
     return d
 
 
