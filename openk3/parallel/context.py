@@ -7,9 +7,9 @@ Rank r of R holds tokens [r L, (r+1) L) of each of B packed rows of R L tokens; 
 `cu_seqlens` (document starts over the flattened B R L tokens, every row start one of them: the model's convention;
 cheap to share) and its own x [B, L, D]. The result equals the layer's forward on the unsplit rows, restricted to
 this rank's tokens, forward and backward.
-This is the torch reference of the method (it runs on the CPU with gloo); on GPU, where the KDA backend is fla,
-`kda_context_parallel` runs fla's `cp_context` (the same method in Triton) instead: `kda_context_parallel_fla`,
-compared with the torch fold by tests/parallel/test_gpu.py. `apply_context_parallel` (bottom) puts these forms into a whole model
+This is the torch reference of the method (it runs on the CPU with gloo, and on the GPU with fla's local kernel);
+with OPENK3_CP_KDA=fla on CUDA, `kda_context_parallel` runs fla's `cp_context` (the same method in Triton) instead:
+`kda_context_parallel_fla`, compared with the torch fold by tests/parallel/test_gpu.py (not yet run on a GPU). `apply_context_parallel` (bottom) puts these forms into a whole model
 for the trainer's `--cp`: each rank holds a contiguous slice of every row of the batch (B rows, `local_rows`).
 
 KDA. The delta rule is affine in the incoming state: a segment maps S_in to S_out = M S_in + S_ext (M [K, K] per
@@ -30,6 +30,8 @@ to the whole row with the block-diagonal causal mask of the packed documents, sh
 """
 
 from __future__ import annotations
+
+import os
 
 import contextlib
 
@@ -95,9 +97,17 @@ def local_rows(input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, rank: int,
 def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, group=None) -> Tensor:
     """`attn(x_full, cu_seqlens=cu_seqlens, pos=...)` restricted to this rank's slice x [B, L, D] of every row
     (rows of R L tokens, `cu_seqlens` the global packing over the B R L tokens) -> [B, L, D] (see the module
-    docstring). Where the device's KDA backend is fla (CUDA), fla's `cp_context` runs the delta rule
-    (`kda_context_parallel_fla`); elsewhere the torch fold (`kda_context_parallel_torch`, the reference)."""
-    if select_kda_backend(x.device).name == "fla":
+    docstring): the torch fold (`kda_context_parallel_torch`, the reference; its local kernel is the device's KDA
+    backend, fla on CUDA). With OPENK3_CP_KDA=fla (CUDA), fla's own `cp_context` runs the delta rule instead
+    (`kda_context_parallel_fla`).
+    NOTE: opt-in until tests/parallel/test_gpu.py's comparison of the two has passed on a GPU: it was written
+    from fla 0.6's source and has not run yet."""
+    choice = os.environ.get("OPENK3_CP_KDA", "torch")
+    if choice not in ("torch", "fla"):
+        raise ValueError(f"OPENK3_CP_KDA={choice!r}: expected torch or fla")
+    if choice == "fla":
+        if select_kda_backend(x.device).name != "fla":
+            raise RuntimeError(f"OPENK3_CP_KDA=fla needs fla's KDA backend; here: {select_kda_backend(x.device)}")
         return kda_context_parallel_fla(attn, x, cu_seqlens, group)
     return kda_context_parallel_torch(attn, x, cu_seqlens, group)
 
