@@ -160,6 +160,8 @@ def test_counter_uniform_depends_only_on_the_row():
     assert ((u > 0) & (u < 1)).all()
     assert torch.equal(counter_uniform(seed[2:3], counter[2:3], 1000)[0], u[2])  # the batch around it is irrelevant
     assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    high = counter_uniform(seed[:1] + 2 ** 32, counter[:1], 1000)  # the seed's upper half counts too
+    assert not torch.equal(high[0], u[0])
     assert abs(u.mean().item() - 0.5) < 0.02
 
 
