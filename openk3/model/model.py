@@ -239,7 +239,8 @@ class KimiDeltaAttention(nn.Module):
     def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
         """`forward` without a cache, its elementwise chains inside fla's kernels (ops/kda/fused.py): the short
         conv + SiLU, the decay gate inside chunk_kda, and the gated output norm. Same math as the reference
-        pieces below; tests/model/test_kda_fused.py checks forward and backward against them on the GPU."""
+        pieces below; tests/model/test_kda_backends_gpu.py (its fused=1 cases) checks a training step against them
+        on the GPU."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0, :]
