@@ -978,7 +978,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                         "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}}
 
     # the first GPU step compiles (and without shipped fla configs, autotunes) the Triton kernels: say it is alive
-    first_step = heartbeat("first step: compiling GPU kernels", 30.0) if device.type == "cuda" and main else None
+    # (not when there is no step to run: a resumed finished run would hear it through its final evaluation)
+    first_step = (heartbeat("first step: compiling GPU kernels", 30.0) if device.type == "cuda" and main and step < end
+                  else None)
     while step < end:
         t_step = time.time()
         lr_scale = cosine_schedule(step, args.steps, args.warmup, args.min_lr_ratio)
