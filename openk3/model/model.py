@@ -14,6 +14,7 @@ parameters' dtype.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -150,6 +151,12 @@ SDPA_DEFAULT = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 SDPA_ORDER = {"cuda": [SDPBackend.CUDNN_ATTENTION, *SDPA_DEFAULT]}
 
 
+def varlen_causal_kwargs(fn) -> dict:
+    """How `fn` (torch's varlen_attn) is asked for causal attention. NOTE: torch 2.10 names it `is_causal=True`;
+    later versions replaced that with `window_size=(-1, 0)` (and refuse is_causal)."""
+    return {"window_size": (-1, 0)} if "window_size" in inspect.signature(fn).parameters else {"is_causal": True}
+
+
 def varlen_attention_runs(q: Tensor) -> bool:
     """Whether torch's varlen flash attention can take q (CUDA, bf16 or fp16)."""
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None
@@ -164,7 +171,7 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     if vd < qd:
         v = F.pad(v, (0, qd - vd))
     o = varlen_attn(q.reshape(B * T, H, qd), k.reshape(B * T, H, qd), v.reshape(B * T, H, qd), cu_seqlens,
-                    cu_seqlens, max_len, max_len, scale=scale, window_size=(-1, 0))
+                    cu_seqlens, max_len, max_len, scale=scale, **varlen_causal_kwargs(varlen_attn))
     return o[..., :vd].view(B, T, H, vd)
 
 
