@@ -14,6 +14,7 @@ parameters' dtype.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -150,6 +151,12 @@ SDPA_DEFAULT = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 SDPA_ORDER = {"cuda": [SDPBackend.CUDNN_ATTENTION, *SDPA_DEFAULT]}
 
 
+def varlen_causal_kwargs(fn) -> dict:
+    """How `fn` (torch's varlen_attn) is asked for causal attention. NOTE: torch 2.10 names it `is_causal=True`;
+    later versions replaced that with `window_size=(-1, 0)` (and refuse is_causal)."""
+    return {"window_size": (-1, 0)} if "window_size" in inspect.signature(fn).parameters else {"is_causal": True}
+
+
 def varlen_attention_runs(q: Tensor) -> bool:
     """Whether torch's varlen flash attention can take q (CUDA, bf16 or fp16)."""
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None
@@ -164,7 +171,7 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     if vd < qd:
         v = F.pad(v, (0, qd - vd))
     o = varlen_attn(q.reshape(B * T, H, qd), k.reshape(B * T, H, qd), v.reshape(B * T, H, qd), cu_seqlens,
-                    cu_seqlens, max_len, max_len, scale=scale, window_size=(-1, 0))
+                    cu_seqlens, max_len, max_len, scale=scale, **varlen_causal_kwargs(varlen_attn))
     return o[..., :vd].view(B, T, H, vd)
 
 
@@ -239,7 +246,8 @@ class KimiDeltaAttention(nn.Module):
     def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
         """`forward` without a cache, its elementwise chains inside fla's kernels (ops/kda/fused.py): the short
         conv + SiLU, the decay gate inside chunk_kda, and the gated output norm. Same math as the reference
-        pieces below; tests/model/test_kda_fused.py checks forward and backward against them on the GPU."""
+        pieces below; tests/model/test_kda_backends_gpu.py (its fused=1 cases) checks a training step against them
+        on the GPU."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0, :]

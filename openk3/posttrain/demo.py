@@ -11,7 +11,7 @@
      effort of each teacher, the SFT start and the student (distill/report.md).
 A stage whose run directory already holds a finished checkpoint is skipped, and an RL or distill run killed midway
 resumes from its last checkpoint (`--resume`), so an interrupted demo continues where it was. Wall time per stage
-goes to timings.json; with `--export DIR`, timings.json and every stage's metrics (flat names: sft_metrics.jsonl,
+goes to timings.json; with `--export-to DIR`, timings.json and every stage's metrics (flat names: sft_metrics.jsonl,
 rl_metrics.jsonl, distill_metrics.jsonl, report.md) are copied to DIR after every stage (bench/posttrain_gpu.sh).
 
 NOTE: the tiny preset's MXFP4 experts are turned off here (`quantization_config` None): fake-quantised experts made

@@ -271,6 +271,8 @@ class Engine:
         if self.has_work():
             raise RuntimeError("load_weights while requests are running: finish or cancel them first")
         self.model.load_state_dict(state_dict)
+        if self.target.decoder is not None and self.model.qat:  # NOTE: graphs froze the MXFP4 grid decision
+            self.target.decoder.forget_graphs()
         if self.prefix is not None:
             while self.prefix.evict_one():
                 pass

@@ -38,6 +38,11 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: must be a non-negative integer (0 = off)")
+        # NOTE: the fast decode path carries the seed in an int64 tensor (`sample_batch`): a larger one would fail
+        # in the middle of a batch's step, not here (the server's bound is the same)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed={self.seed!r}: must be an integer in [0, 2**63) or None")
 
     @property
     def greedy(self) -> bool:
@@ -98,9 +103,12 @@ def _mix32(x: Tensor) -> Tensor:
 
 def counter_uniform(seed_B: Tensor, counter_B: Tensor, V: int) -> Tensor:
     """Uniform numbers in (0, 1), float64 [B, V], a pure function of (seed, counter, column): row b's numbers
-    depend on its own seed_B[b] and counter_B[b] (int64, any value; taken mod 2**32) only."""
+    depend on its own seed_B[b] (int64, all 64 bits) and counter_B[b] (int64, taken mod 2**32) only."""
     col = torch.arange(V, device=seed_B.device, dtype=torch.long)[None, :]
-    h = _mix32(_mix32(seed_B & _MASK32) ^ (counter_B & _MASK32))
+    # NOTE: both halves of the seed: seeds that differ only above bit 31 (rollout seeds are 63-bit hashes) must
+    # not share a stream
+    seed = _mix32(_mix32(seed_B & _MASK32) ^ ((seed_B >> 32) & _MASK32))
+    h = _mix32(seed ^ (counter_B & _MASK32))
     x = _mix32(_mix32(h[:, None] ^ col) ^ 0x9E3779B9)
     return (x.double() + 0.5) / 2.0 ** 32
 

@@ -163,6 +163,12 @@ class StaticDecoder:
             # the buckets do not each cost a compile
             self.run = torch.compile(self._run, backend="inductor" if compile is True else compile, dynamic=None)
 
+    def forget_graphs(self) -> None:
+        """Drop the captured graphs; each bucket is captured again when next met. For a weight change of a QAT
+        model: a graph replays the kernels Python chose at capture, and `Experts.on_mxfp4_grid` (model.py) chose
+        there whether the expert weights are fake-quantised at all (new weights off the grid must be again)."""
+        self.captured.clear()
+
     # ---- the step as the device runs it (captured or eager)
     def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;

@@ -55,7 +55,7 @@ from tqdm import tqdm
 from openk3.config import PRESETS, K3Config, get_config
 from openk3.model.checkpoint import (ARGS_FILE, CHECKPOINTS, CONFIG_NAME, LATEST, config_for_tokenizer,
                                      find_checkpoint, load_for_inference, load_pretrained, save_pretrained)
-from openk3.model.model import GatedMLA, K3ForCausalLM
+from openk3.model.model import GatedMLA, K3ForCausalLM, document_causal_mask
 from openk3.ops import select_kda_backend
 from openk3.parallel.context import ContextParallel, apply_context_parallel, local_rows
 from openk3.parallel.dcp import dcp_to_release_into, load_release_sharded, load_sharded, save_sharded
@@ -726,8 +726,10 @@ class MLAMaxLogits:
         @torch.no_grad()
         def hook(attn: GatedMLA, args, kwargs, output) -> None:
             x = args[0] if args else kwargs["x"]
-            mask = kwargs.get("mask")
+            mask, varlen = kwargs.get("mask"), kwargs.get("varlen")
             B, T, _ = x.shape
+            if mask is None and varlen is not None:  # NOTE: on CUDA the model describes packed documents this way
+                mask = document_causal_mask(varlen[0], B, T)
             if mask is None:
                 mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
             keys = self.cp.mla_keys(attn, x) if self.cp is not None else None
@@ -976,7 +978,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                         "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}}
 
     # the first GPU step compiles (and without shipped fla configs, autotunes) the Triton kernels: say it is alive
-    first_step = heartbeat("first step: compiling GPU kernels", 30.0) if device.type == "cuda" and main else None
+    # (not when there is no step to run: a resumed finished run would hear it through its final evaluation)
+    first_step = (heartbeat("first step: compiling GPU kernels", 30.0) if device.type == "cuda" and main and step < end
+                  else None)
     while step < end:
         t_step = time.time()
         lr_scale = cosine_schedule(step, args.steps, args.warmup, args.min_lr_ratio)

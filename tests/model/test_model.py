@@ -308,3 +308,20 @@ def test_mxfp4_experts_on_grid_skip_fake_quant_exactly(monkeypatch):
         assert calls and not experts[0]._on_grid
         monkeypatch.undo()
         assert torch.equal(again, model(ids).logits)
+
+
+def test_varlen_causal_keyword_follows_the_torch_version():
+    """torch 2.10's varlen_attn takes is_causal, later ones window_size (and refuse is_causal): the MLA varlen path
+    asks each for causal attention its own way (the GPU box runs another torch than CI)."""
+    from openk3.model.model import varlen_causal_kwargs
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None,
+                   scale=None):
+        pass
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):
+        pass
+
+    assert varlen_causal_kwargs(torch_2_10) == {"is_causal": True}
+    assert varlen_causal_kwargs(torch_2_11) == {"window_size": (-1, 0)}

@@ -247,3 +247,36 @@ def test_backend_unknown_name_is_an_error(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "triton")
     with pytest.raises(ValueError, match="triton"):
         select_kda_backend("cpu")
+
+
+@pytest.mark.parametrize("has_gate_args", [True, False], ids=["fla-0.6", "older-fla"])
+def test_fused_path_only_with_an_fla_that_names_the_in_kernel_gate(monkeypatch, has_gate_args):
+    """The fused KDA path passes chunk_kda the in-kernel gate's arguments; an fla whose chunk_kda does not name them
+    (it takes **kwargs, so it would ignore them and decay by the raw gate input) keeps the reference chains."""
+    import sys
+    import types
+
+    from openk3.ops.kda.backend import FUSED_ARGUMENTS, _select
+
+    def chunk_kda(q, k, v, g, beta, scale=None, use_gate_in_kernel=False, safe_gate=False, lower_bound=None,
+                  **kwargs):
+        raise AssertionError("never called")
+
+    def old_chunk_kda(q, k, v, g, beta, scale=None, **kwargs):
+        raise AssertionError("never called")
+
+    fla = types.ModuleType("fla")
+    fla.__version__ = "0.0-test"
+    kda = types.ModuleType("fla.ops.kda")
+    kda.chunk_kda = chunk_kda if has_gate_args else old_chunk_kda
+    for name, module in [("fla", fla), ("fla.ops", types.ModuleType("fla.ops")), ("fla.ops.kda", kda)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    _select.cache_clear()
+    try:
+        backend = _select("cuda", None, True)
+        off = _select("cuda", None, False)
+    finally:
+        _select.cache_clear()
+    assert backend.name == "fla" and backend.fused == has_gate_args
+    assert has_gate_args or all(a in backend.reason for a in FUSED_ARGUMENTS)
+    assert off.name == "fla" and not off.fused

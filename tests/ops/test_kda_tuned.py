@@ -11,7 +11,11 @@ def test_points_fla_at_the_shipped_configs_of_this_gpu(tmp_path, monkeypatch):
     (d / "chunk_kda_bwd_kernel_intra.json").write_text("{}")
     monkeypatch.setattr(tuned, "SHIPPED", tmp_path)
     for var in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE"):
-        monkeypatch.delenv(var, raising=False)
+        # NOTE: set first so that monkeypatch restores the variable (it records nothing when deleting an unset
+        # one): use_shipped_fla_configs writes os.environ, which would otherwise point every later fla import of
+        # the session at this test's temporary directory
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.delitem(sys.modules, "fla", raising=False)
     assert tuned.gpu_dir_name("NVIDIA H200") == "NVIDIA_H200"
     assert tuned.use_shipped_fla_configs("NVIDIA H100 80GB HBM3") is None  # nothing shipped for it

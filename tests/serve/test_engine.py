@@ -82,6 +82,9 @@ def test_filtered_probs_follow_temperature_top_k_and_top_p():
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="temperature=-1"):
         SamplingParams(temperature=-1)
+    for seed in (2 ** 63, -1, 1.5, True):  # the fast path's int64 seed tensor would fail mid-step instead
+        with pytest.raises(ValueError, match=f"seed={seed!r}"):
+            SamplingParams(seed=seed)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["general", "fast"])

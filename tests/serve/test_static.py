@@ -160,6 +160,8 @@ def test_counter_uniform_depends_only_on_the_row():
     assert ((u > 0) & (u < 1)).all()
     assert torch.equal(counter_uniform(seed[2:3], counter[2:3], 1000)[0], u[2])  # the batch around it is irrelevant
     assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    high = counter_uniform(seed[:1] + 2 ** 32, counter[:1], 1000)  # the seed's upper half counts too
+    assert not torch.equal(high[0], u[0])
     assert abs(u.mean().item() - 0.5) < 0.02
 
 
@@ -276,3 +278,19 @@ def test_nan_state_fails_only_its_request_on_the_fast_path():
     assert engine.generate([prompts[1]], params)[0].output == clean[1]  # the NaN slot is clean for its next user
     assert engine.pool.reserved == 0 and not engine.running and len(engine.target.slots.free) == 4
     assert engine.counters["finished"] == 4  # each request ended once
+
+
+@pytest.mark.parametrize("qat", [True, False])
+def test_load_weights_drops_the_graphs_of_a_qat_model(qat):
+    """A captured graph replays the MXFP4 grid decision `Experts.on_mxfp4_grid` made at capture (skip the weight
+    fake-quant or not): after a weight change of a QAT model (RL loads the trained policy every iteration, off the
+    grid) every bucket must be captured again; a model without QAT keeps its graphs."""
+    from openk3.model.model import K3ForCausalLM
+    from openk3.serve.engine import Engine, EngineConfig
+    from tests.serve.test_cache import small_config
+
+    model = K3ForCausalLM(small_config("k3"), qat=qat).eval()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, fast_decode=True))
+    engine.target.decoder.captured[(1, 1, True)] = "a graph captured with the old weights"
+    engine.load_weights(model.state_dict())
+    assert bool(engine.target.decoder.captured) == (not qat)

@@ -347,6 +347,29 @@ def test_qk_clip_brings_max_logit_to_tau():
     assert torch.allclose(after, torch.full_like(after, tau), rtol=1e-4), (before, after, tau)
 
 
+def test_qk_clip_max_logits_of_packed_documents_given_as_varlen():
+    """On CUDA the model describes packed documents to MLA as `varlen` (cu_seqlens), not as a mask: the recorded
+    maxima must still be over same-document pairs only (a plain causal mask would count cross-document logits)."""
+    from openk3.model.model import document_causal_mask
+
+    model, _ = _model_and_batches(3, 1, T=40)
+    attn = next(l.self_attn for l in model.model.layers if isinstance(l.self_attn, GatedMLA))
+    recorder = MLAMaxLogits(model)
+    torch.manual_seed(5)
+    B, T = 1, 24
+    x = torch.randn(B, T, model.config.hidden_size)
+    cu = torch.arange(T + 1)  # one-token documents: every causal pair but the diagonal crosses a boundary
+    with torch.no_grad():
+        maxima = {}
+        for name, kw in [("varlen", dict(varlen=(cu.to(torch.int32), 1))),
+                         ("mask", dict(mask=document_causal_mask(cu, B, T))), ("causal", {})]:
+            attn(x, **kw)
+            maxima[name] = recorder.max_H[0]
+            recorder.max_H = [None] * len(recorder.layers)
+    assert torch.equal(maxima["varlen"], maxima["mask"])
+    assert not torch.equal(maxima["varlen"], maxima["causal"])
+
+
 def test_train_with_a_release_style_tiktoken_file(workdir):
     """--tokenizer takes a tiktoken.model (the release format) instead of training a BPE; the model's vocabulary
     and special ids come from it (256 reserved ids after the ranks, bos/eos/pad at offsets 0/2/255)."""

@@ -69,6 +69,8 @@ def _select(device_type: str, requested: str | None, fused: bool) -> KDABackend:
     # before fla's first import (in _why_fla_cannot_run): fla reads where its configs are when it is imported
     tuning = _fla_tuning() if device_type == "cuda" and torch.cuda.is_available() else ""
     problem = _why_fla_cannot_run(device_type)
+    if problem is None and fused and (missing := _missing_fused_arguments()):
+        fused, tuning = False, f"{tuning}; fla's chunk_kda lacks {missing}: only chunk_kda runs in fla"
     if requested == "fla":
         if problem is not None:
             raise RuntimeError(f"{BACKEND_ENV}=fla, but {problem}")
@@ -91,6 +93,22 @@ def _fla_tuning() -> str:
         return f"kernel configs from FLA_CONFIG_DIR={os.environ.get('FLA_CONFIG_DIR')!r}"
     return (f"no shipped kernel configs for {name}: fla autotunes each kernel on first use (minutes on a fresh "
             "machine; Triton caches the result)")
+
+
+# chunk_kda's arguments that ops/kda/fused.py relies on (fla 0.6; A_log and dt_bias travel in its **kwargs)
+FUSED_ARGUMENTS = ("use_gate_in_kernel", "safe_gate", "lower_bound")
+
+
+def _missing_fused_arguments() -> list[str]:
+    """The FUSED_ARGUMENTS this fla's chunk_kda does not name.
+    NOTE: chunk_kda takes **kwargs, so an older fla would silently ignore the in-kernel gate's arguments and run
+    the delta rule on the raw gate input: checked by name, before the fused path is handed out."""
+    import inspect
+
+    from fla.ops.kda import chunk_kda
+
+    params = inspect.signature(chunk_kda).parameters
+    return [a for a in FUSED_ARGUMENTS if a not in params]
 
 
 def _why_fla_cannot_run(device_type: str) -> str | None:

@@ -12,8 +12,8 @@ Each function here computes exactly what a piece of `KimiDeltaAttention`'s refer
     swiglu         ops/situ.py's swiglu (the Kimi-Linear MLPs and experts; K3's SiTU has no fla kernel)
 
 Arithmetic is fp32 inside the kernels, as in the reference; the results round once to the input dtype where
-the reference rounds the same values (a few ulps apart). tests/model/test_kda_fused.py compares the whole
-layer, forward and backward, against the reference path on the GPU.
+the reference rounds the same values (a few ulps apart). tests/model/test_kda_backends_gpu.py (its fused=1 cases)
+compares a whole model's training step (loss and every gradient) against the torch reference path on the GPU.
 """
 
 from __future__ import annotations
