@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_throughput import PEAK_BF16, flops_per_token  # noqa: E402
+from train_throughput import PEAK_BF16, flops_per_token, sync  # noqa: E402
 
 from openk3.config import _MXFP4, get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
@@ -64,33 +64,32 @@ def ablations(base):
     }
 
 
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
 
-def time_training(name: str, forward_loss, params, opt, args, profile_to: Path | None) -> dict:
+CUDA = torch.device("cuda")
+
+
+def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -> dict:
     """Run args.warmup + args.steps training steps; medians over the timed ones, plus the first step's time."""
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
     first = None
 
     def step():
-        sync()
+        sync(CUDA)
         t0 = time.perf_counter()
         loss = forward_loss()
-        sync()
+        sync(CUDA)
         t1 = time.perf_counter()
         loss.backward()
-        sync()
+        sync(CUDA)
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
+        sync(CUDA)
         t3 = time.perf_counter()
         return loss.item(), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)
 
@@ -129,6 +128,12 @@ def profile_step(step, path: Path) -> list[dict]:
             for e in rows]
 
 
+def fused_adamw(model) -> torch.optim.AdamW:
+    """The bf16-weights baseline's optimizer, the same for both implementations."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
+                             weight_decay=0.1, fused=True)
+
+
 def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool, qat: bool, ids, args,
                profile_to) -> dict:
     torch.manual_seed(0)
@@ -140,11 +145,7 @@ def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool,
         if not recipe:
             model.cast(torch.bfloat16)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if recipe:
-        opt = build_optimizer(model, lr=1e-4, head_dims=model_head_dims(model.config))
-    else:
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = build_optimizer(model, lr=1e-4, head_dims=model_head_dims(model.config)) if recipe else fused_adamw(model)
     B, T = ids.shape
     labels = ids.roll(-1, 1)
     cu = torch.arange(0, B * T + 1, T // 4, device="cuda") if packed else None
@@ -153,10 +154,10 @@ def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool,
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=recipe):
             return model(ids, labels=labels, cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
 
-    res = time_training(name, forward_loss, params, opt, args, profile_to)
+    res = time_training(name, forward_loss, opt, args, profile_to)
     res["doc_len"] = T // 4 if packed else T
     res["mfu"] = flops_per_token(model.config, res["doc_len"]) * res["tokens_per_s"] / args.peak
-    del model, opt, params
+    del model, opt
     free()
     return res
 
@@ -166,15 +167,14 @@ def transformers_run(ckpt: Path, ids, args, profile_to) -> dict:
     torch.manual_seed(0)
     model = KimiLinearForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda()
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = fused_adamw(model)
 
     def forward_loss():
         return model(input_ids=ids, labels=ids).loss
 
-    res = time_training("transformers", forward_loss, params, opt, args, profile_to)
+    res = time_training("transformers", forward_loss, opt, args, profile_to)
     res["doc_len"] = ids.shape[1]
-    del model, opt, params
+    del model, opt
     free()
     return res
 

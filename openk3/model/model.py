@@ -157,6 +157,9 @@ def varlen_causal_kwargs(fn) -> dict:
     return {"window_size": (-1, 0)} if "window_size" in inspect.signature(fn).parameters else {"is_causal": True}
 
 
+VARLEN_CAUSAL = varlen_causal_kwargs(varlen_attn) if varlen_attn is not None else {}
+
+
 def varlen_attention_runs(q: Tensor) -> bool:
     """Whether torch's varlen flash attention can take q (CUDA, bf16 or fp16)."""
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None
@@ -171,7 +174,7 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     if vd < qd:
         v = F.pad(v, (0, qd - vd))
     o = varlen_attn(q.reshape(B * T, H, qd), k.reshape(B * T, H, qd), v.reshape(B * T, H, qd), cu_seqlens,
-                    cu_seqlens, max_len, max_len, scale=scale, **varlen_causal_kwargs(varlen_attn))
+                    cu_seqlens, max_len, max_len, scale=scale, **VARLEN_CAUSAL)
     return o[..., :vd].view(B, T, H, vd)
 
 
@@ -205,10 +208,22 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(H * K, D, bias=False)
         self.full_rank_gate = lac.use_full_rank_gate
 
+    def decay_input(self, x: Tensor) -> Tensor:
+        """The low-rank projection f [B, T, H, K] the decay gate is computed from (x's dtype)."""
+        return self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.H, self.K))
+
+    def output_gate(self, x: Tensor) -> Tensor:
+        """The sigmoid output gate's input [B, T, H, K] (full-rank in K3, low-rank in Kimi-Linear)."""
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        return gate.unflatten(-1, (self.H, self.K))
+
+    def conv_weight(self) -> Tensor:
+        """The q, k, v short-conv weights stacked as one depthwise conv over the 3 H K channels [3HK, 1, W]."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+
     def decay(self, x: Tensor) -> Tensor:
         """Per-channel log-decay g [B, T, H, K] in fp32 (spec 2.1)."""
-        f = self.f_b_proj(self.f_a_proj(x)).float().unflatten(-1, (self.H, self.K))
-        f = f + self.dt_bias.float().view(self.H, self.K)
+        f = self.decay_input(x).float() + self.dt_bias.float().view(self.H, self.K)
         a = self.A_log.float().exp().view(self.H, 1)
         if self.lower_bound is not None:  # K3: bounded in (lb, 0) so exp of a 16-token cumsum stays in bf16 range
             return self.lower_bound * torch.sigmoid(a * f)
@@ -250,15 +265,12 @@ class KimiDeltaAttention(nn.Module):
         on the GPU."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0, :]
-        qkv = kda_fused.conv_silu(self.qkv_proj(x), conv_w, cu_seqlens)
+        qkv = kda_fused.conv_silu(self.qkv_proj(x), self.conv_weight()[:, 0, :], cu_seqlens)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
-        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (H, K))
         beta = torch.sigmoid(self.b_proj(x).float())
-        o = kda_fused.chunk_gated(q, k, v, f, beta, self.A_log.float(), self.dt_bias.float(), self.lower_bound,
-                                  K ** -0.5, cu_seqlens)
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = kda_fused.gated_rms_norm(o, gate.unflatten(-1, (H, K)), self.o_norm.weight, self.o_norm.eps)
+        o = kda_fused.chunk_gated(q, k, v, self.decay_input(x), beta, self.A_log.float(), self.dt_bias.float(),
+                                  self.lower_bound, K ** -0.5, cu_seqlens)
+        o = kda_fused.gated_rms_norm(o, self.output_gate(x), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
@@ -273,15 +285,13 @@ class KimiDeltaAttention(nn.Module):
                       tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The delta rule's q, k, v [B, T, H, K] (conv + SiLU of `qkv`, whose W-1 preceding inputs are `tail`),
         g [B, T, H, K] and beta [B, T, H] (both fp32)."""
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-        qkv_act = recomputed(causal_conv_silu, qkv, conv_w, pos, tail).to(x.dtype)
+        qkv_act = recomputed(causal_conv_silu, qkv, self.conv_weight(), pos, tail).to(x.dtype)
         q, k, v = (t.unflatten(-1, (self.H, self.K)) for t in qkv_act.split(self.H * self.K, dim=-1))
         return q, k, v, self.decay(x), torch.sigmoid(self.b_proj(x).float())
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """The delta rule's output o [B, T, H, K] -> [B, T, D]: per-head norm, sigmoid gate of x, o_proj."""
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o) * torch.sigmoid(gate.float()).unflatten(-1, (self.H, self.K)).to(o.dtype)
+        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x).float()).to(o.dtype)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
 
@@ -718,7 +728,11 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"cu_seqlens must start at 0, end at B*T={B * T} and contain every row start; "
                                  f"got {cu_seqlens.tolist()[:8]}...")
             ctx.pos = segment_positions(cu_seqlens, B * T).view(B, T)
-            if input_ids.device.type == "cuda":  # no dense [B, 1, T, T] mask: it keeps SDPA off its fast kernels
+            # No dense [B, 1, T, T] mask where the varlen kernel runs (it keeps SDPA off its fast kernels); elsewhere
+            # the mask once here, not in every MLA layer (GatedMLA.forward would build it from `varlen` itself).
+            half = self.lm_head.weight.dtype in (torch.bfloat16, torch.float16) or (
+                torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.bfloat16, torch.float16))
+            if input_ids.device.type == "cuda" and half and not absorb and varlen_attn is not None:
                 ctx.varlen = (cu_seqlens.to(torch.int32), int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
             else:
                 ctx.mask = document_causal_mask(cu_seqlens, B, T)
