@@ -16,7 +16,8 @@ names and config.json, which transformers' `KimiLinearForCausalLM` loads. Then, 
                     layers); acceptance rate and speed-up at batch 1. NOTE: a random model's acceptance says nothing
                     about a trained draft's;
   memory            KV/state bytes per sequence at 32K tokens (the engine's pool sizes) and the largest batch of
-                    32K-token sequences that fits in the device memory left after the weights.
+                    32K-token sequences that fits in the device memory left after the weights;
+  profile           (not in the default list) the top ops of eager decode steps at each batch size, torch.profiler.
 
 The JSON (`--out`, default bench/results/vs_transformers_decode.json) is rewritten atomically after every part, so
 a run cut short still leaves the parts it finished; a later run of the same config, dtype and GPU keeps the parts it
@@ -45,7 +46,7 @@ from openk3.model.checkpoint import is_k3_layout, load_pretrained, save_pretrain
 from openk3.serve.cache import PagePool, cache_bytes_per_token  # noqa: E402
 from openk3.serve.engine import Engine, EngineConfig, early_exit_draft  # noqa: E402
 
-PARTS = ("decode", "prefill", "prefix_hit_ttft", "speculative", "memory")
+PARTS = ("decode", "prefill", "prefix_hit_ttft", "speculative", "memory", "profile")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -198,6 +199,28 @@ def part_decode(model, hf, args, rng) -> dict:
     return out
 
 
+def part_profile(model, args, rng) -> dict:
+    """Where a decode step's device time goes: `--profile-tokens` greedy tokens at each batch size under
+    torch.profiler, CUDA graphs off (a graph's replay hides which op launched which kernel; the kernels' own times
+    are the same), the top ops by self device time as tables beside the JSON and as rows in it."""
+    from bench.vs_transformers import profile_step
+    out = {}
+    V, T = model.config.vocab_size, args.profile_tokens
+    engine = engine_for(model, args, max(args.batch_sizes), prefix_cache=False, cuda_graphs=False)
+    for B in args.batch_sizes:
+        prompts = random_prompts(B, args.prompt_len, V, rng)
+        timed_engine_run(engine, prompts, T, args.device)  # warm-up
+        prefill_only, _ = timed_engine_run(engine, prompts, 1, args.device)
+        seconds, _ = timed_engine_run(engine, prompts, T, args.device)
+        rows = profile_step(lambda: timed_engine_run(engine, prompts, T, args.device),
+                            args.out.parent / "vs_transformers_decode_profiles" / f"batch{B}.txt")
+        step_ms = 1e3 * (seconds - prefill_only) / (T - 1)
+        out[str(B)] = {"decode_step_ms_eager": step_ms, "tokens": T, "top_ops": rows}
+        print(f"  batch {B:3d}: eager decode step {step_ms:.2f} ms; top ops: " +
+              ", ".join(f"{r['op'][:40]} {r['share']:.0%}" for r in rows[:5]), flush=True)
+    return out
+
+
 def part_prefill(model, hf, args, rng) -> dict:
     out = {}
     V = model.config.vocab_size
@@ -344,7 +367,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="[bfloat16 on cuda, float32 on cpu]")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(PARTS[:-1]), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="fewer and smaller sizes")
     p.add_argument("--skip-transformers", action="store_true", help="time openk3 only")
     p.add_argument("--out", type=Path,
@@ -360,6 +383,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ttft-len", type=int, default=None, help="tokens of the prefix-hit turn [32768; quick: 512]")
     p.add_argument("--draft-layers", type=int, default=None)
     p.add_argument("--draft-k", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--profile-tokens", type=int, default=16, help="greedy tokens per profiled run (part profile)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fla-fixed-configs", action="store_true",
                    help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
@@ -374,6 +398,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad or not parts:
         raise SystemExit(f"--parts {args.parts!r}: unknown part(s) {bad}; choose from {','.join(PARTS)}")
     args.parts = parts
+    if args.profile_tokens < 2:
+        raise SystemExit(f"--profile-tokens {args.profile_tokens}: must be at least 2 (a step after the prefill)")
     q = args.quick
     args.batch_sizes = args.batch_sizes or ([1, 4] if q else [1, 4, 16, 64])
     args.prompt_len = args.prompt_len or (32 if q else 512)
@@ -421,6 +447,8 @@ def main(argv=None) -> dict:
                 results["prefix_hit_ttft"] = part_prefix_hit(model, args, rng)
             elif part == "speculative":
                 results["speculative"] = part_speculative(model, args, rng)
+            elif part == "profile":
+                results["profile"] = part_profile(model, args, rng)
             else:
                 results["memory"] = part_memory(model, hf, args)
             write_json(args.out, results)
