@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 try:  # torch >= 2.10
@@ -166,16 +167,34 @@ def varlen_attention_runs(q: Tensor) -> bool:
 
 
 def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int,
-                            scale: float) -> Tensor:
-    """Causal attention within packed documents through torch's varlen flash kernel: q, k [B, T, H, qd], v
-    [B, T, H, vd] -> [B, T, H, vd]. Flash needs one head width, so v is zero-padded to qd and the output cut back."""
+                            scale: float, keys: tuple[Tensor, int] | None = None) -> Tensor:
+    """Causal attention within packed documents through torch's varlen flash kernel: q [B, T, H, qd], k [B, S, H, qd],
+    v [B, S, H, vd] -> [B, T, H, vd]. Flash needs one head width, so v is zero-padded to qd and the output cut back.
+    `keys` (cu_seqlens over the B*S keys, longest key run; default: the queries' own) for documents with more keys
+    than queries: flash's causal mask is then aligned to the last key (query t of a T-query, S-key document sees
+    keys 0..S-T+t), which is a cached prefill's attention (`GatedMLA.attend_expanded`)."""
     B, T, H, qd = q.shape
-    vd = v.shape[-1]
+    S, vd = k.shape[1], v.shape[-1]
+    cu_k, max_k = keys if keys is not None else (cu_seqlens, max_len)
     if vd < qd:
         v = F.pad(v, (0, qd - vd))
-    o = varlen_attn(q.reshape(B * T, H, qd), k.reshape(B * T, H, qd), v.reshape(B * T, H, qd), cu_seqlens,
-                    cu_seqlens, max_len, max_len, scale=scale, **VARLEN_CAUSAL)
+    o = varlen_attn(q.reshape(B * T, H, qd), k.reshape(B * S, H, qd), v.reshape(B * S, H, qd), cu_seqlens,
+                    cu_k, max_len, max_k, scale=scale, **VARLEN_CAUSAL)
     return o[..., :vd].view(B, T, H, vd)
+
+
+def lower_right_causal_mask(T: int, S: int, device) -> Tensor:
+    """[1, 1, T, S] bool: query t (at position S - T + t) sees keys 0..S - T + t: T new tokens after S - T cached."""
+    return (torch.arange(S, device=device)[None, :] <= (S - T) + torch.arange(T, device=device)[:, None])[None, None]
+
+
+# A cached forward of at most this many new tokens (absorb=None) attends in latent space: decode (1 token) and
+# speculative verification (num_draft_tokens + 1, 5 by default) stay absorbed, a prefill chunk goes expanded.
+# Why 16: the expanded form up-projects every cached latent on each forward (S r H (nope + vd) multiply-adds, as
+# much as ~170 queries' absorbed attention at K3's widths), which only a chunk of many queries pays back; and the
+# absorbed form's materialised fp32 scores [B, H, T, S] stay at most 16x a decode step's. NOTE: a number for the
+# form, never a different result: both forms compute the same attention (tests/model/test_model.py).
+ABSORB_MAX_TOKENS = 16
 
 
 class KimiDeltaAttention(nn.Module):
@@ -334,13 +353,27 @@ class GatedMLA(nn.Module):
     def attend_expanded(self, q: Tensor, lat: Tensor, mask: Tensor | None, causal: bool,
                         varlen: tuple[Tensor, int] | None = None) -> Tensor:
         """Up-project the latent to full heads and run SDPA. q [B,T,H,qd], lat [B,S,r+rope] -> [B,T,H,vd].
-        `varlen` (cu_seqlens int32 over the B*T tokens, longest document): packed documents without a mask."""
+        `causal` without a mask: query t sees keys 0..S-T+t, i.e. the S-T cached tokens then the new ones up to itself
+        (plain causal when S == T). `varlen` (cu_seqlens int32 over the B*T tokens, longest document): packed
+        documents without a mask (S == T)."""
+        B, T = q.shape[:2]
+        S = lat.shape[1]
         c, k_pe = lat.split([self.r, self.rope], dim=-1)
         kv = self.kv_b_proj(c).unflatten(-1, (self.H, self.nope + self.vd))
         k_nope, v = kv.split([self.nope, self.vd], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.H, -1)], dim=-1)
         if varlen is not None:
             return varlen_causal_attention(q, k, v, *varlen, self.scale)
+        if causal and mask is None and S != T:
+            # A cached chunk: causal aligned to the last key, without a dense [T, S] mask. On CUDA in bf16/fp16 the
+            # varlen flash kernel (one "document" per row, its causal mask is bottom-right aligned); elsewhere
+            # SDPA with torch's lower-right causal bias, which runs the memory-efficient kernel on CUDA (its
+            # custom_mask_type) and a materialised mask where no kernel takes it (the CPU).
+            if varlen_attention_runs(q):
+                cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+                cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+                return varlen_causal_attention(q, k, v, cu_q, T, self.scale, keys=(cu_k, S))
+            mask, causal = causal_lower_right(T, S), False
         with sdpa_kernel(SDPA_ORDER.get(q.device.type, SDPA_DEFAULT), set_priority=True):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, is_causal=causal and mask is None, scale=self.scale)
@@ -365,7 +398,8 @@ class GatedMLA(nn.Module):
                 absorb: bool | None = None, varlen: tuple[Tensor, int] | None = None) -> Tensor:
         """x [B, T, D] -> [B, T, D]. `mask` [B, 1, T, T] bool (block-diagonal causal for packed documents) or None
         for plain causal. With `state`, the new latents are appended to the cache and attention covers it.
-        `absorb` picks the latent-space form (default: when decoding from a cache). `varlen` (cu_seqlens, longest
+        `absorb` picks the latent-space form; default: with a cache and at most ABSORB_MAX_TOKENS new tokens (decode,
+        speculative verification), else the expanded form (training, prefill chunks). `varlen` (cu_seqlens, longest
         document) describes packed documents instead of `mask`, for the varlen flash kernel (bf16/fp16 on CUDA);
         where that cannot run, the mask is built from it."""
         B, T, _ = x.shape
@@ -376,12 +410,13 @@ class GatedMLA(nn.Module):
         if state is not None:
             if mask is not None:
                 raise ValueError("packed-document masks are not supported together with a decode cache")
+            # mask None: every row's keys are its cached tokens then these T (`MLAState.append`)
             lat, mask = state.append(lat)
             lat = lat.to(x.dtype)
-            absorb = absorb if absorb is not None else True
+            absorb = absorb if absorb is not None else T <= ABSORB_MAX_TOKENS
         if absorb:
             if mask is None:
-                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+                mask = lower_right_causal_mask(T, lat.shape[1], x.device)
             o = self.attend_absorbed(q, lat, mask)
         else:
             o = self.attend_expanded(q, lat, mask, causal=True, varlen=varlen)

@@ -42,24 +42,26 @@ class MLAState:
     """Per-layer MLA latent cache: [B, max_len, kv_lora + rope] ([c | k_pe], normed c), filled up to `length`.
 
     `GatedMLA` uses a cache only through `append`, so the engine's paged cache for ragged batches
-    (openk3/serve/cache.py `PagedMLA`) can stand in for it."""
+    (openk3/serve/cache.py `PagedMLA`) can stand in for it. The protocol: `append(lat [B, T, C])` writes the new
+    latents and returns (every latent the new queries attend to [B, S, C], mask), where the mask is [B or 1, 1, T, S]
+    bool (True = may attend) for rows with different histories, or None when every row's S keys are exactly its
+    S - T cached tokens then the T new ones: query t sees keys 0..S - T + t (lower-right causal), which lets a
+    prefill chunk attend through a flash kernel without a dense mask."""
 
     latent: Tensor
     length: int = 0
 
-    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, lat_BTC: Tensor) -> tuple[Tensor, None]:
         """Write T new latents after the cached ones. Returns every latent the new queries attend to [B, S, C]
-        (S = the length after the write) and the mask [1, 1, T, S] (True = may attend): query t sits at position
-        length + t and sees keys 0..length + t."""
+        (S = the length after the write) and None for the mask: every row holds the same tokens, so query t sits
+        at position length + t and sees keys 0..length + t."""
         T = lat_BTC.shape[1]
         P = self.length
         if P + T > self.latent.shape[1]:
             raise ValueError(f"MLA cache full: {P} + {T} tokens > max_len {self.latent.shape[1]}")
         self.latent[:, P:P + T] = lat_BTC.to(self.latent.dtype)
         self.length = P + T
-        device = lat_BTC.device
-        mask = torch.arange(P + T, device=device)[None, :] <= P + torch.arange(T, device=device)[:, None]
-        return self.latent[:, :P + T], mask[None, None]
+        return self.latent[:, :P + T], None
 
 
 @dataclass

@@ -231,12 +231,17 @@ class PagedLayout:
     """Where one forward's new tokens go in the pool and what each query may see; shared by every MLA layer.
 
     write_page, write_offset: [B*T] slot of every new token; read_pages: [B, P] page tables padded with the zero
-    page; mask: [B, 1, T, P*page_size], True where query t of row b (position lengths[b] + t) may see the key."""
+    page; keys: the longest row's cached + new tokens; mask: [B, 1, T, P*page_size], True where query t of row b
+    (position lengths[b] + t) may see the key, or None when every row holds the same number of tokens (always so for
+    the engine's batch-1 prefill): then the first `keys` keys of every row are exactly its history and the new
+    tokens, lower-right causal (the `MLAState.append` protocol), and no dense mask is built (at an 8K chunk after
+    56K cached tokens it would be 512 MB)."""
 
     write_page: Tensor
     write_offset: Tensor
     read_pages: Tensor
-    mask: Tensor
+    keys: int
+    mask: Tensor | None
 
     @classmethod
     def build(cls, seqs: list[PagedSeq], T: int, page_size: int, device) -> "PagedLayout":
@@ -246,14 +251,17 @@ class PagedLayout:
             for pos in range(s.length, s.length + T):
                 wp.append(s.pages[pos // page_size])
                 wo.append(pos % page_size)
-        P = max(-(-(s.length + T) // page_size) for s in seqs)
+        keys = max(s.length for s in seqs) + T
+        P = -(-keys // page_size)
         table = [s.pages[:P] + [0] * (P - min(P, len(s.pages))) for s in seqs]
-        lengths = torch.tensor([s.length for s in seqs], device=device)
-        key_pos = torch.arange(P * page_size, device=device)
-        query_pos = lengths[:, None] + torch.arange(T, device=device)[None, :]  # [B, T]
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        mask = None
+        if len({s.length for s in seqs}) > 1:
+            lengths = torch.tensor([s.length for s in seqs], device=device)
+            key_pos = torch.arange(P * page_size, device=device)
+            query_pos = lengths[:, None] + torch.arange(T, device=device)[None, :]  # [B, T]
+            mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
         return cls(torch.tensor(wp, device=device), torch.tensor(wo, device=device),
-                   torch.tensor(table, device=device), mask[:, None])
+                   torch.tensor(table, device=device), keys, mask)
 
 
 class PagedMLA:
@@ -262,12 +270,14 @@ class PagedMLA:
     def __init__(self, pool: PagePool, mla_index: int, layout: PagedLayout):
         self.pool, self.index, self.layout = pool, mla_index, layout
 
-    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor | None]:
         """Write the T new latents of every row into its pages, then gather each row's whole history.
-        -> latents [B, P*page_size, C] (padding is masked) and the mask [B, 1, T, P*page_size]."""
+        -> latents [B, P*page_size, C] (padding is masked) and the mask [B, 1, T, P*page_size]; for rows of one
+        length, latents [B, S, C] cut to the S = length + T real keys (the pages pad beyond) and no mask."""
         lay, mla = self.layout, self.pool.mla
         mla[lay.write_page, self.index, lay.write_offset] = lat_BTC.reshape(-1, lat_BTC.shape[-1]).to(mla.dtype)
-        return mla[lay.read_pages, self.index].flatten(1, 2), lay.mask
+        lat = mla[lay.read_pages, self.index].flatten(1, 2)
+        return (lat, lay.mask) if lay.mask is not None else (lat[:, :lay.keys], None)
 
 
 def paged_cache(pool: PagePool, kda: list[KDAState], seqs: list[PagedSeq], T: int) -> K3Cache:

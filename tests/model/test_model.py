@@ -5,6 +5,8 @@ import torch
 
 from openk3.config import tiny
 from openk3.model import GatedMLA, K3Cache, K3ForCausalLM, segment_positions
+from openk3.model.model import ABSORB_MAX_TOKENS, lower_right_causal_mask
+from openk3.model.state import MLAState
 from tests.helpers import rel_err
 
 
@@ -325,3 +327,58 @@ def test_varlen_causal_keyword_follows_the_torch_version():
 
     assert varlen_causal_kwargs(torch_2_10) == {"is_causal": True}
     assert varlen_causal_kwargs(torch_2_11) == {"window_size": (-1, 0)}
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_cached_chunked_prefill_equals_full_forward(family):
+    """A prompt prefilled with a cache in chunks longer than ABSORB_MAX_TOKENS (the expanded MLA form, lower-right
+    causal over cached + new keys without a mask), then decoded: the logits of one uncached forward."""
+    c, model = family_model(family, seed=5)
+    ids = torch.randint(0, c.vocab_size, (2, 70))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = K3Cache.empty(c, batch=2, max_len=80)
+        parts = [model(ids[:, s:e], cache=cache).logits for s, e in [(0, 17), (17, 40), (40, 67)]]
+        parts += [model(ids[:, t:t + 1], cache=cache).logits for t in range(67, 70)]
+    assert cache.length == 70
+    assert rel_err(torch.cat(parts, dim=1), full) < 2e-5
+
+
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 40])
+def test_cached_mla_forms_agree_and_default_by_chunk_length(T, monkeypatch):
+    """With a cache (23 tokens cached), absorbed and expanded attention agree; absorb=None picks the absorbed form
+    up to ABSORB_MAX_TOKENS new tokens and the expanded one above."""
+    c = tiny()
+    torch.manual_seed(6)
+    mla = GatedMLA(c)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    width = c.kv_lora_rank + c.qk_rope_head_dim
+    prefix = torch.randn(3, 23, width)
+    x = torch.randn(3, T, c.hidden_size)
+    used = []
+    for form in ("attend_absorbed", "attend_expanded"):
+        real = getattr(GatedMLA, form)
+        monkeypatch.setattr(GatedMLA, form, lambda self, *a, real=real, form=form, **k: used.append(form) or
+                            real(self, *a, **k))
+
+    def run(absorb):
+        state = MLAState(latent=torch.zeros(3, 64, width))
+        state.append(prefix)
+        out = mla(x, state=state, absorb=absorb)
+        assert state.length == 23 + T
+        return out
+
+    with torch.no_grad():
+        absorbed, expanded, default = run(True), run(False), run(None)
+    assert used[:2] == ["attend_absorbed", "attend_expanded"]
+    assert used[2] == ("attend_absorbed" if T <= ABSORB_MAX_TOKENS else "attend_expanded")
+    assert rel_err(absorbed, expanded) < 1e-5
+    assert torch.equal(default, absorbed if T <= ABSORB_MAX_TOKENS else expanded)
+
+
+def test_lower_right_causal_mask_by_hand():
+    """2 new tokens after 3 cached: the first sees keys 0..3, the second 0..4."""
+    want = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(lower_right_causal_mask(2, 5, "cpu")[0, 0], want)
+    assert torch.equal(lower_right_causal_mask(4, 4, "cpu")[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())

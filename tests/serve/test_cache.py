@@ -74,6 +74,36 @@ def test_paged_ragged_batch_equals_full_forward(family):
     assert all(0 not in s.pages for s in seqs)
 
 
+def test_paged_long_chunks_take_the_maskless_expanded_path():
+    """A batch-1 prompt prefilled in chunks longer than ABSORB_MAX_TOKENS over pages it ends inside: the layout
+    builds no mask, the latents come back cut to the real keys, and the logits equal one full forward; rows of
+    different lengths still get their dense mask."""
+    model = small_model("k3", seed=7)
+    c = model.config
+    pool = PagePool(c, num_pages=32, page_size=8, device="cpu", dtype=torch.float32)
+    pool.reserve(12)
+    seq = PagedSeq(reserved=12)
+    ids = torch.randint(0, c.vocab_size, (1, 62))
+    kda = new_kda_states(c, 1, "cpu", torch.float32)
+    parts = []
+    with torch.no_grad():
+        for s, e in [(0, 19), (19, 44), (44, 62)]:
+            cache = paged_cache(pool, kda, [seq], e - s)
+            mla = next(layer for layer in cache.layers if not isinstance(layer, KDAState))
+            assert mla.layout.mask is None and mla.layout.keys == e
+            parts.append(model(ids[:, s:e], cache=cache).logits)
+            seq.length = e
+        full = model(ids).logits
+    assert rel_err(torch.cat(parts, dim=1), full) < 2e-5
+    other = PagedSeq(reserved=4)
+    pool.reserve(4)
+    ragged = paged_cache(pool, kda, [seq, other], 1)
+    mla = next(layer for layer in ragged.layers if not isinstance(layer, KDAState))
+    lat, mask = mla.append(torch.randn(2, 1, c.kv_lora_rank + c.qk_rope_head_dim))
+    assert mask is not None and mask.shape == (2, 1, 1, lat.shape[1]) and lat.shape[1] == 64
+    assert mask[0, 0, 0].sum() == 63 and mask[1, 0, 0].sum() == 1
+
+
 def test_batch_rows_join_and_leave():
     c = small_config()
     a, b = new_kda_states(c, 2, "cpu", torch.float32), new_kda_states(c, 1, "cpu", torch.float32)
