@@ -256,12 +256,14 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.H, self.K
         backend = select_kda_backend(x.device)
-        if state is None and backend.fused:
-            return self.forward_fused(x, cu_seqlens)
+        # The fused path also prefills from a cache (T > 1); a decode step keeps fla's token-by-token kernel, and
+        # `keep_inputs` (speculative rollback) needs the per-token inputs only the reference chain produces.
+        if backend.fused and (state is None or (T > 1 and not keep_inputs)):
+            return self.forward_fused(x, cu_seqlens, state)
         qkv = self.qkv_proj(x)
         q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None)
         if state is not None:
-            state.conv = torch.cat([state.conv, qkv.to(state.conv.dtype)], dim=1)[:, -(self.W - 1):]
+            state.conv = self.conv_tail(state.conv, qkv)
             state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
         kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
@@ -277,18 +279,26 @@ class KimiDeltaAttention(nn.Module):
                 state.recurrent = final
         return self.output(o, x)
 
-    def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
-        """`forward` without a cache, its elementwise chains inside fla's kernels (ops/kda/fused.py): the short
-        conv + SiLU, the decay gate inside chunk_kda, and the gated output norm. Same math as the reference
-        pieces below; tests/model/test_kda_backends_gpu.py (its fused=1 cases) checks a training step against them
-        on the GPU."""
+    def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None) -> Tensor:
+        """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU, the
+        decay gate inside chunk_kda, and the gated output norm; with `state` (not with cu_seqlens) the conv starts
+        from its tail and the recurrence from its state, and both are updated as `forward` updates them (inputs
+        None). Same math as the reference pieces below; tests/model/test_kda_backends_gpu.py checks a training
+        step (its fused=1 cases) and a chunked cached prefill against them on the GPU."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv = kda_fused.conv_silu(self.qkv_proj(x), self.conv_weight()[:, 0, :], cu_seqlens)
+        qkv_in = self.qkv_proj(x)
+        tail = state.conv if state is not None else None
+        qkv = kda_fused.conv_silu(qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         beta = torch.sigmoid(self.b_proj(x).float())
-        o = kda_fused.chunk_gated(q, k, v, self.decay_input(x), beta, self.A_log.float(), self.dt_bias.float(),
-                                  self.lower_bound, K ** -0.5, cu_seqlens)
+        o, final = kda_fused.chunk_gated(q, k, v, self.decay_input(x), beta, self.A_log.float(),
+                                         self.dt_bias.float(), self.lower_bound, K ** -0.5, cu_seqlens,
+                                         initial_state=state.recurrent if state is not None else None)
+        if state is not None:
+            state.conv = self.conv_tail(tail, qkv_in)
+            state.recurrent = final
+            state.inputs = None
         o = kda_fused.gated_rms_norm(o, self.output_gate(x), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
@@ -307,6 +317,11 @@ class KimiDeltaAttention(nn.Module):
         qkv_act = recomputed(causal_conv_silu, qkv, self.conv_weight(), pos, tail).to(x.dtype)
         q, k, v = (t.unflatten(-1, (self.H, self.K)) for t in qkv_act.split(self.H * self.K, dim=-1))
         return q, k, v, self.decay(x), torch.sigmoid(self.b_proj(x).float())
+
+    def conv_tail(self, tail: Tensor, qkv: Tensor) -> Tensor:
+        """A cache's conv tail after this forward: the last W-1 raw projections of tail [B, W-1, 3HK] followed by
+        qkv [B, T, 3HK], in the tail's dtype."""
+        return torch.cat([tail, qkv[:, -(self.W - 1):].to(tail.dtype)], dim=1)[:, -(self.W - 1):]
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """The delta rule's output o [B, T, H, K] -> [B, T, D]: per-head norm, sigmoid gate of x, o_proj."""

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from openk3.config import K3Config
-from openk3.model import K3ForCausalLM
+from openk3.model import K3Cache, K3ForCausalLM, KimiDeltaAttention
 import openk3.model.model as model_module
 from openk3.ops.kda.backend import BACKEND_ENV, FUSED_ENV, _select
-from tests.helpers import rel_norm_err
+from tests.helpers import rel_err, rel_norm_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -108,3 +108,62 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, fused, 
     assert abs(loss_fla - loss_ref) <= 1e-3 * abs(loss_ref)
     worst = max(errors, key=errors.get)
     assert errors[worst] < bound, f"{worst}: gradient relative error {errors[worst]:.3g} >= {bound}"
+
+
+def cached_prefill(model, ids, bounds, dtype) -> tuple[torch.Tensor, K3Cache]:
+    """Logits of `ids` prefilled with a cache in the chunks [s, e) of `bounds`, and the cache after."""
+    cache = K3Cache.empty(model.config, ids.shape[0], ids.shape[1], ids.device, dtype)
+    with torch.no_grad():
+        logits = torch.cat([model(ids[:, s:e], cache=cache).logits for s, e in bounds], dim=1)
+    return logits, cache
+
+
+def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatch) -> dict:
+    """The fused KDA path with a state (fla's conv from the cache's tail, chunk_kda from its recurrent state) over a
+    prompt prefilled in 3 chunks (boundaries inside fla's 64-token chunks) against one uncached fused forward
+    (logits), and its final states against the reference chain's chunked prefill (fused=0). -> the errors."""
+    monkeypatch.setenv(BACKEND_ENV, "fla")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(recall_kda_config(gate)).to(device).cast(dtype)
+    model.reset_parameters(seed=1)
+    ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(3)).to(device)
+    bounds = [(0, 100), (100, 229), (229, 300)]
+    calls = []
+    real = KimiDeltaAttention.forward_fused
+    monkeypatch.setattr(KimiDeltaAttention, "forward_fused",
+                        lambda self, x, cu, state=None: calls.append(state is not None) or real(self, x, cu, state))
+    monkeypatch.setenv(FUSED_ENV, "1")
+    _select.cache_clear()
+    with torch.no_grad():
+        full = model(ids).logits
+    fused, cache = cached_prefill(model, ids, bounds, dtype)
+    assert calls == [False] * 2 + [True] * 6, calls  # 2 KDA layers: uncached, then 3 chunks with a state
+    monkeypatch.setenv(FUSED_ENV, "0")
+    _select.cache_clear()
+    reference, ref_cache = cached_prefill(model, ids, bounds, dtype)
+    _select.cache_clear()
+    errors = {"logits_vs_uncached": rel_norm_err(fused, full), "logits_vs_reference": rel_norm_err(fused, reference),
+              "logits_max_vs_uncached": rel_err(fused, full)}
+    for i, (a, b) in enumerate(zip(cache.layers, ref_cache.layers)):
+        errors[f"{i}.recurrent"] = rel_norm_err(a.recurrent, b.recurrent)
+        errors[f"{i}.conv"] = rel_norm_err(a.conv, b.conv)
+        assert a.recurrent.dtype == torch.float32 and a.conv.dtype == dtype and a.inputs is None
+    return errors
+
+
+# rel_norm_err of the logits and of the final states. For scale: the same prefill with the conv tail zeroed at every
+# chunk (the kind of bug this catches) is 0.22 off in the logits (torch reference, fp32, on the CPU).
+PREFILL_BOUNDS = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["k3", "softplus"])
+def test_fused_cached_prefill_equals_one_forward(gate, dtype, monkeypatch):
+    """Issue #12: a chunked prefill through the fused stateful KDA path gives one uncached forward's logits and the
+    reference chain's final states (recurrent fp32, conv tail in the model's dtype)."""
+    errors = check_fused_cached_prefill(gate, dtype, "cuda", monkeypatch)
+    print("\n" + json.dumps({"case": dict(gate=gate, dtype=str(dtype)), **errors}))
+    bound = PREFILL_BOUNDS[dtype]
+    for name, err in errors.items():
+        if name != "logits_max_vs_uncached":
+            assert err < bound, f"{name}: relative error {err:.3g}"

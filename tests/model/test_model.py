@@ -382,3 +382,73 @@ def test_lower_right_causal_mask_by_hand():
     want = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(lower_right_causal_mask(2, 5, "cpu")[0, 0], want)
     assert torch.equal(lower_right_causal_mask(4, 4, "cpu")[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def random_cached_mla(device, dtype, cached: int, batch: int, seed: int) -> tuple[GatedMLA, torch.Tensor]:
+    """A GatedMLA of K3's head widths (qk 192, v 128, latent 512 + 64; 4 heads) with random weights, and random
+    latents [batch, cached, 576] for its cache."""
+    c = tiny().replace(hidden_size=256, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=512,
+                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    torch.manual_seed(seed)
+    mla = GatedMLA(c).to(device)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    mla = mla.to(dtype)
+    return mla, torch.randn(batch, cached, c.kv_lora_rank + c.qk_rope_head_dim, device=device, dtype=dtype)
+
+
+def cached_mla(mla: GatedMLA, prefix: torch.Tensor, x: torch.Tensor, absorb: bool | None) -> torch.Tensor:
+    state = MLAState(latent=torch.zeros(prefix.shape[0], prefix.shape[1] + x.shape[1], prefix.shape[2],
+                                        device=x.device, dtype=x.dtype))
+    state.append(prefix)
+    return mla(x, state=state, absorb=absorb)
+
+
+def test_cached_expanded_varlen_glue_is_bottom_right_causal(monkeypatch):
+    """The CUDA half-precision route of a cached chunk (torch's varlen flash kernel, one document per row with more
+    keys than queries), run on the CPU through a stand-in for varlen_attn with flash's documented semantics
+    (causal aligned to the last key): the packing of rows into cu_seqlens, the padded v and the cut-back output
+    agree with the absorbed form."""
+    import openk3.model.model as model_module
+
+    def flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert window_size == (-1, 0) and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        out = []
+        for i in range(len(cu_q) - 1):
+            qi, ki, vi = (t[a:b].transpose(0, 1) for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
+                                                                    (v, cu_k[i], cu_k[i + 1])))
+            mask = lower_right_causal_mask(qi.shape[1], ki.shape[1], q.device)[0]
+            out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+                       .transpose(0, 1))
+        return torch.cat(out)
+
+    calls = []
+    monkeypatch.setattr(model_module, "varlen_attn", lambda *a, **k: calls.append(1) or flash_semantics(*a, **k))
+    monkeypatch.setattr(model_module, "VARLEN_CAUSAL", {"window_size": (-1, 0)})
+    monkeypatch.setattr(model_module, "varlen_attention_runs", lambda q: True)
+    mla, prefix = random_cached_mla("cpu", torch.float32, cached=29, batch=2, seed=7)
+    x = torch.randn(2, 21, 256)
+    with torch.no_grad():
+        assert rel_err(cached_mla(mla, prefix, x, absorb=False), cached_mla(mla, prefix, x, absorb=True)) < 1e-5
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, monkeypatch):
+    """Issue #12 on the GPU: a 200-token chunk after 300 cached tokens (2 rows) in the expanded form, through the
+    varlen flash kernel (bf16) or SDPA's memory-efficient kernel with torch's lower-right causal bias (fp32; no
+    dense mask), against the absorbed form's fp32 attention over the explicit mask."""
+    import openk3.model.model as model_module
+
+    calls = []
+    real = model_module.varlen_causal_attention
+    monkeypatch.setattr(model_module, "varlen_causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    mla, prefix = random_cached_mla("cuda", dtype, cached=300, batch=2, seed=8)
+    x = torch.randn(2, 200, 256, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        expanded = cached_mla(mla, prefix, x, absorb=None)
+        absorbed = cached_mla(mla, prefix, x, absorb=True)
+    assert len(calls) == (1 if dtype == torch.bfloat16 else 0)
+    assert rel_err(expanded, absorbed) < bound

@@ -2,7 +2,8 @@
 
 Each function here computes exactly what a piece of `KimiDeltaAttention`'s reference forward computes
 (openk3/model/model.py), with one kernel instead of a chain of fp32 elementwise ops over [B, T, H*K]
-(measured on the H200, those chains and their casts took most of a step's GPU time; docs/training.md):
+(measured on the H200, those chains and their casts took most of a step's GPU time; docs/training.md); conv_silu
+and chunk_gated also start from a cache's state (the conv tail, the recurrent state) for a cached prefill:
 
     conv_silu      causal_conv_silu: depthwise causal short conv + SiLU, restarting at document starts
     chunk_gated    decay() + the delta rule: the gate  lb * sigmoid(exp(A_log) * (f + dt_bias))  (K3, bounded;
@@ -13,43 +14,57 @@ Each function here computes exactly what a piece of `KimiDeltaAttention`'s refer
 
 Arithmetic is fp32 inside the kernels, as in the reference; the results round once to the input dtype where
 the reference rounds the same values (a few ulps apart). tests/model/test_kda_backends_gpu.py (its fused=1 cases)
-compares a whole model's training step (loss and every gradient) against the torch reference path on the GPU.
+compares a whole model's training step (loss and every gradient) against the torch reference path on the GPU, and
+its test_fused_cached_prefill_equals_one_forward cases a prefill in chunks with a state against one forward.
 """
 
 from __future__ import annotations
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
-def conv_silu(qkv: Tensor, w_CW: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+def conv_silu(qkv: Tensor, w_CW: Tensor, cu_seqlens: Tensor | None, tail_BWC: Tensor | None = None) -> Tensor:
     """SiLU(causal depthwise conv of qkv [B, T, C] with w [C, W]) in qkv's dtype; with cu_seqlens (over the
-    flattened B*T tokens) the window stops at every document start."""
+    flattened B*T tokens) the window stops at every document start; `tail_BWC` [B, W-1, C] holds the W-1 inputs
+    before this chunk (a cache's conv tail; not with cu_seqlens)."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     B, T, C = qkv.shape
     if cu_seqlens is None:
-        y, _ = causal_conv1d(qkv, weight=w_CW, activation="silu")
+        # NOTE: fla's conv state is [B, C, W], the last W inputs with the newest at index W-1; the kernel reads
+        # indices 1..W-1 as the inputs before the chunk, so the tail goes there and index 0 is never read.
+        init = None if tail_BWC is None else F.pad(tail_BWC.transpose(1, 2), (1, 0)).contiguous()
+        y, _ = causal_conv1d(qkv, weight=w_CW, activation="silu", initial_state=init)
         return y
+    if tail_BWC is not None:
+        raise ValueError("conv_silu: a conv tail cannot be combined with cu_seqlens (packed documents)")
     y, _ = causal_conv1d(qkv.reshape(1, B * T, C), weight=w_CW, activation="silu", cu_seqlens=cu_seqlens)
     return y.view(B, T, C)
 
 
 def chunk_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
-                lower_bound: float | None, scale: float, cu_seqlens: Tensor | None) -> Tensor:
+                lower_bound: float | None, scale: float, cu_seqlens: Tensor | None,
+                initial_state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The delta rule with the decay computed from the raw gate input f [B, T, H, K] inside the kernel.
-    q, k, v [B, T, H, K] (L2-normed in the kernel), beta [B, T, H] after its sigmoid -> o [B, T, H, K]."""
+    q, k, v [B, T, H, K] (L2-normed in the kernel), beta [B, T, H] after its sigmoid -> o [B, T, H, K] and, from
+    `initial_state` [B, H, K, V] fp32 (a cache's recurrent state; not with cu_seqlens), the final state [B, H, K, V]
+    fp32 (else None)."""
     from fla.ops.kda import chunk_kda
 
     B, T, H, K = q.shape
     args = dict(scale=scale, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
                 dt_bias=dt_bias, safe_gate=lower_bound is not None, lower_bound=lower_bound)
     if cu_seqlens is None:
-        o, _ = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), f, beta.to(q.dtype), **args)
-        return o
+        init = None if initial_state is None else initial_state.float().contiguous()
+        o, final = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), f, beta.to(q.dtype), initial_state=init,
+                             output_final_state=init is not None, **args)
+        return o, None if final is None else final.float()
+    if initial_state is not None:
+        raise ValueError("chunk_gated: an initial state cannot be combined with cu_seqlens (packed documents)")
     o, _ = chunk_kda(*(t.flatten(0, 1)[None] for t in (q, k.to(q.dtype), v.to(q.dtype), f, beta.to(q.dtype))),
                      cu_seqlens=cu_seqlens, **args)
-    return o.view(B, T, H, K)
+    return o.view(B, T, H, K), None
 
 
 def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
