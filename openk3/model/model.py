@@ -384,6 +384,9 @@ class GatedMLA(nn.Module):
             # varlen flash kernel (one "document" per row, its causal mask is bottom-right aligned); elsewhere
             # SDPA with torch's lower-right causal bias, which runs the memory-efficient kernel on CUDA (its
             # custom_mask_type) and a materialised mask where no kernel takes it (the CPU).
+            # NOTE: under autocast the cached k_pe keeps the cache's dtype while q and k_nope come out of autocast's
+            # matmuls; neither kernel call below goes through autocast, so the keys and values take q's dtype here.
+            k, v = k.to(q.dtype), v.to(q.dtype)
             if varlen_attention_runs(q):
                 cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
                 cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
