@@ -450,5 +450,5 @@ def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, monkeypatch):
     with torch.no_grad():
         expanded = cached_mla(mla, prefix, x, absorb=None)
         absorbed = cached_mla(mla, prefix, x, absorb=True)
-    assert len(calls) == (1 if dtype == torch.bfloat16 else 0)
+    assert len(calls) == (1 if dtype == torch.bfloat16 and model_module.varlen_attn is not None else 0)
     assert rel_err(expanded, absorbed) < bound
