@@ -43,6 +43,8 @@ from bench.engine_bench import greedy, hardware, random_prompts  # noqa: E402
 from openk3.config import get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.model.checkpoint import is_k3_layout, load_pretrained, save_pretrained  # noqa: E402
+from openk3.ops import select_kda_backend  # noqa: E402
+from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
 from openk3.serve.cache import PagePool, cache_bytes_per_token  # noqa: E402
 from openk3.serve.engine import Engine, EngineConfig, early_exit_draft  # noqa: E402
 
@@ -51,13 +53,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------------ setup
-
-def fix_fla_configs() -> int:
-    """bench/fla_fixed.py's cut of fla's autotuning candidates, over every fla module loaded so far."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fla_fixed import fix_fla_configs as fix
-    return fix()
-
 
 def write_json(path: Path, data: dict) -> None:
     """Atomic: a temporary file beside `path`, renamed over it."""
@@ -385,8 +380,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-k", type=int, nargs="+", default=[2, 4])
     p.add_argument("--profile-tokens", type=int, default=16, help="greedy tokens per profiled run (part profile)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fla-fixed-configs", action="store_true",
-                   help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the fast path's decode step")
     p.add_argument("--decode-path", choices=("auto", "fast", "general"), default="auto",
                    help="the engine's decode path: its default (fast on CUDA), or forced [auto]")
@@ -415,8 +408,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.fla_fixed_configs:
-        print(f"fla autotuning cut: {fix_fla_configs()} kernels keep at most 3 candidates (bench/fla_fixed.py)")
     rng = random.Random(args.seed)
     results = {"hardware": hardware(args.device), "config": args.config, "dtype": args.dtype,
                "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
@@ -434,8 +425,10 @@ def main(argv=None) -> dict:
         model, ckpt, results["router"] = build_checkpoint(args, workdir)
         results["params"] = count_params(model.config)
         hf = load_transformers(ckpt, args) if {"decode", "prefill"} & set(args.parts) else None
-        if hf is not None and args.fla_fixed_configs:  # transformers' model loads more fla kernels (fla.modules)
-            print(f"fla autotuning cut for {fix_fla_configs()} more kernels, loaded with transformers")
+        if hf is not None and select_kda_backend(args.device).name == "fla":
+            # transformers' model runs fla's layers: they autotune the way openk3's kernels do
+            print(f"fla: {limit_fla_autotuning(FLA_MODULES + ('fla.layers', 'fla.modules'))} more kernels cut to "
+                  f"{autotune_candidates() or 'all'} autotune candidates (OPENK3_FLA_AUTOTUNE)")
         write_json(args.out, results)
         for part in args.parts:
             print(f"\n{part}:")

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from openk3.ops.kda.chunk import chunk_kda_torch
 from openk3.ops.kda.naive import check_kda_inputs, naive_recurrent_kda
-from openk3.ops.kda.tuned import use_shipped_fla_configs
+from openk3.ops.kda.tuned import autotune_candidates, limit_fla_autotuning, use_shipped_fla_configs
 
 BACKEND_ENV = "OPENK3_KDA_BACKEND"
 FUSED_ENV = "OPENK3_KDA_FUSED"
@@ -69,6 +69,11 @@ def _select(device_type: str, requested: str | None, fused: bool) -> KDABackend:
     # before fla's first import (in _why_fla_cannot_run): fla reads where its configs are when it is imported
     tuning = _fla_tuning() if device_type == "cuda" and torch.cuda.is_available() else ""
     problem = _why_fla_cannot_run(device_type)
+    if problem is None and tuning:
+        limit_fla_autotuning()
+        keep = autotune_candidates()
+        tuning += (f"; other shapes autotune over at most {keep} candidates per kernel (OPENK3_FLA_AUTOTUNE=full: "
+                   f"all)" if keep else "; other shapes autotune over every candidate (OPENK3_FLA_AUTOTUNE=full)")
     if problem is None and fused and (missing := _missing_fused_arguments()):
         fused, tuning = False, f"{tuning}; fla's chunk_kda lacks {missing}: only chunk_kda runs in fla"
     if requested == "fla":
@@ -91,8 +96,7 @@ def _fla_tuning() -> str:
         return f"kernel configs shipped for {name} (no autotuning for known shapes)"
     if os.environ.get("FLA_CACHE_MODE"):
         return f"kernel configs from FLA_CONFIG_DIR={os.environ.get('FLA_CONFIG_DIR')!r}"
-    return (f"no shipped kernel configs for {name}: fla autotunes each kernel on first use (minutes on a fresh "
-            "machine; Triton caches the result)")
+    return f"no shipped kernel configs for {name}: fla autotunes each kernel on first use (Triton caches the result)"
 
 
 # chunk_kda's arguments that ops/kda/fused.py relies on (fla 0.6; A_log and dt_bias travel in its **kwargs)
