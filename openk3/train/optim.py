@@ -29,6 +29,11 @@ Choices (the spec names the two sets but not every border case):
 Precision: parameters, gradients, momentum and AdamW moments stay in the parameter dtype (fp32
 masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and torch.optim.Muon do.
 
+Speed (issue #11): on plain tensors Muon's step is batched: one Newton-Schulz per block shape over every
+parameter and group (`batch_plan`, cut at MAX_BATCH_BYTES), momentum, decay and update as torch._foreach_*
+ops; `Muon(batched=False)` keeps the per-parameter step as the reference. AdamW takes torch's fused kernel
+when every parameter is a plain CUDA tensor (`adamw_fused`).
+
 Sharded parameters (FSDP2 DTensors, openk3/parallel/fsdp.py): Newton-Schulz needs each whole matrix
 (or whole head block / expert slice). Each such parameter is assigned to one rank (`owners_by_cost`:
 largest Newton-Schulz cost first, to the least-loaded rank), and `orthogonalize_sharded` moves the
@@ -55,9 +60,10 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
 # Cap of one batched Newton-Schulz's bf16 input (`batch_plan`). 512 MiB holds hundreds of matrices of the largest
-# Muon shapes (341 expert slices of [512, 1536]), enough that launches no longer matter, while a batch's transient
-# peak (about 6x the cap, 3 GiB) stays below what the per-parameter step already held: every fp32 update at once,
-# 5.6 GB for kimi-linear-1.5b's 1.4e9 Muon parameters. [inferred, not measured on a GPU]
+# Muon shapes (341 expert slices of [512, 1536]), enough that launches no longer matter (kimi-linear-1.5b: 232 Muon
+# tensors, 2287 matrices, 15 batches), while a batch's transient peak (about 5x the cap, 2.5 GiB) stays below what
+# the per-parameter step already held: every fp32 update at once, 5.6 GB for that model's 1.39e9 Muon parameters.
+# [inferred: counted, not measured on a GPU]
 MAX_BATCH_BYTES = 512 * 2**20
 
 
@@ -156,6 +162,10 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 matrix_blocks(torch.empty(p.shape, device="meta"), group["head_dim"])  # shape check only (p may be sharded)
 
+    def __getstate__(self) -> dict:
+        # torch.optim pickles (and deep-copies) only defaults, state and param_groups
+        return {**super().__getstate__(), "batched": self.batched, "max_batch_bytes": self.max_batch_bytes}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -242,8 +252,8 @@ def batch_plan(blocks: list[tuple[object, int]], max_batch_bytes: int) -> list[l
     max(1, max_batch_bytes // (2 R C)) of them (2: the bf16 bytes Newton-Schulz works in), so a group of one key
     larger than that is cut into several batches, if need be inside a parameter.
 
-    NOTE: max_batch_bytes bounds the bf16 input of one Newton-Schulz; a batch's peak is about 6x that (its fp32
-    update, the bf16 copy, the normalised copy and each iteration's result, the Gram matrices), see MAX_BATCH_BYTES.
+    NOTE: max_batch_bytes bounds the bf16 input of one Newton-Schulz; a batch's peak is about 5x that (its fp32
+    update 2x, Newton-Schulz's current and next bf16 iterate 2x, the Gram matrices), see MAX_BATCH_BYTES.
     """
     by_key: dict[object, list[tuple[int, int]]] = {}
     for i, (key, n) in enumerate(blocks):
