@@ -8,9 +8,10 @@ and in one process, the batched step against the per-parameter one.
 Plan: every Muon parameter that FSDP2 splits across rows of its matrices (all of them except the expert stacks,
 whose shards hold whole experts) is assigned to one rank by `optim.owners_by_cost`; the table gives, for world sizes
 2, 4 and 8, the busiest rank's Newton-Schulz multiply-adds against the ideal total / world. Timing: the same random
-gradients, `Muon.step` (the Muon groups only: AdamW is elementwise), the median of `--steps` steps after one warm-up,
-in one process on the whole model, there both batched (the default) and per-parameter (`Muon(batched=False)`, the
-reference; issue #11), and unless --one-process on `--world` gloo ranks on FSDP2 shards (the slowest rank's time).
+gradients, `Muon.step` (the Muon groups only: AdamW is elementwise), the median of `--steps` steps after one warm-up:
+in one process on the whole model, both batched (the default) and per-parameter (`Muon(batched=False)`, the
+reference; issue #11) on two copies of the model, their steps alternating; and unless --one-process, on `--world`
+gloo ranks on FSDP2 shards (the slowest rank's time).
 `--layers N` keeps the preset's first N layers (its KDA/MLA pattern cut there): the shapes of the full model at a
 size the CPU can step.
 Prints a table, writes JSON (bench/results/parallel_muon_<preset>[_<N>layers].json), and states the hardware.
@@ -72,22 +73,26 @@ def plan_balance(config: K3Config, worlds=(2, 4, 8)) -> list[dict]:
     return rows
 
 
-def muon_step_seconds(model: K3ForCausalLM, steps: int, batched: bool = True) -> float:
-    opt = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config), muon_batched=batched)
-    muon = opt.optimizers[0]
-    params = [p for g in muon.param_groups for p in g["params"]]
-    gen = torch.Generator().manual_seed(0)
-    for p in params:
-        full = torch.randn(p.shape, generator=gen)
-        p.grad = (torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements)
-                  if isinstance(p, torch.distributed.tensor.DTensor) else full)
-    muon.step()  # warm-up: momentum buffers
-    seconds = []
+def muon_step_seconds(models: list[K3ForCausalLM], steps: int, batched: list[bool]) -> list[float]:
+    """The median seconds of one `Muon.step` of each model, its own optimiser batched or not. The models' steps
+    alternate, so a load that comes and goes on a shared CPU falls on all of them alike."""
+    muons = []
+    for model, flag in zip(models, batched, strict=True):
+        muon = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config), muon_batched=flag).optimizers[0]
+        gen = torch.Generator().manual_seed(0)
+        for p in (p for g in muon.param_groups for p in g["params"]):
+            full = torch.randn(p.shape, generator=gen)
+            p.grad = (torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements)
+                      if isinstance(p, torch.distributed.tensor.DTensor) else full)
+        muon.step()  # warm-up: momentum buffers
+        muons.append(muon)
+    seconds = [[] for _ in muons]
     for _ in range(steps):
-        t0 = time.perf_counter()
-        muon.step()
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)  # the median: the CPU this runs on is often shared
+        for muon, times in zip(muons, seconds):
+            t0 = time.perf_counter()
+            muon.step()
+            times.append(time.perf_counter() - t0)
+    return [statistics.median(times) for times in seconds]
 
 
 def _rank(rank: int, world: int, port: int, preset: str, layers: int | None, steps: int, out: str) -> None:
@@ -97,7 +102,7 @@ def _rank(rank: int, world: int, port: int, preset: str, layers: int | None, ste
     torch.manual_seed(0)
     model = K3ForCausalLM(bench_config(preset, layers))
     apply_fsdp(model, build_mesh(ParallelDims(), DistEnv(rank, world, rank, torch.device("cpu"))))
-    seconds = torch.tensor(muon_step_seconds(model, steps))
+    seconds = torch.tensor(muon_step_seconds([model], steps, [True])[0])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": float(seconds)}))
@@ -125,10 +130,12 @@ def main() -> None:
         print(f"| {row['world']} | {row['matrices']} | {row['max_over_ideal']:.3f} |")
     if not args.plan_only:
         torch.set_num_threads(1)
-        one = {}
-        for mode, batched in (("per_parameter", False), ("batched", True)):
+        models = []
+        for _ in range(2):
             torch.manual_seed(0)
-            one[mode] = muon_step_seconds(K3ForCausalLM(config), args.steps, batched)
+            models.append(K3ForCausalLM(config))
+        one = dict(zip(("per_parameter", "batched"), muon_step_seconds(models, args.steps, [False, True])))
+        del models
         result.update(one_process_s=one["batched"], one_process_per_parameter_s=one["per_parameter"])
         print(f"Muon.step in one process, 1 thread: {one['per_parameter'] * 1e3:.0f} ms per parameter, "
               f"{one['batched'] * 1e3:.0f} ms batched ({one['per_parameter'] / one['batched']:.2f}x)")
