@@ -47,7 +47,6 @@ def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp
         assert 0 < sp[f"{model}_held_out_loss"] < sp[f"{model}_first_loss"]
     assert 0 < sp["draft_params"] < sp["target_params"] / 4 and sp["prompts"] == 2
     assert sp["baseline_tokens_per_s"] > 0 and sp["baseline_decode_path"] == "general"
-    assert sp["baseline_distinct_tokens"] >= 1
     for rows in (sp, sp["early_exit"]):
         for k in (2, 3):
             row = rows[f"k={k}"]
