@@ -1,6 +1,6 @@
 """bench/vs_transformers_decode.py runs end to end on the CPU at test size and writes every part into its JSON; with
 transformers installed (the `bench` extra), on a Kimi-Linear config both engines load the same checkpoint and
-agree on the greedy tokens."""
+agree on the greedy tokens; the speculative part trains its target and draft and keeps fp32 greedy outputs equal."""
 
 import importlib.util
 import json
@@ -33,7 +33,7 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
     assert again["decode"] == data["decode"]  # a run of other parts keeps the earlier run's parts
 
 
-@pytest.mark.slow  # ~25 s on 2 cores: two trainings of 40 steps
+@pytest.mark.slow  # 25-40 s on 2 cores: two trainings of 40 steps
 def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp_path):
     """--quick's speculative part on the CPU: both models train (their loss falls), the draft is a small model of its
     own, and every greedy output with a draft, trained or early exit, equals the plain engine's in fp32."""
