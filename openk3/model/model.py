@@ -414,7 +414,7 @@ class Router(nn.Module):
         w = s.gather(-1, idx)
         if self.renorm:
             w = w / w.sum(-1, keepdim=True)
-        return idx, w * self.scale, s
+        return idx, w * self.scale if self.scale != 1 else w, s  # K3's scale is 1: no op for it
 
 
 class Experts(nn.Module):
@@ -540,20 +540,22 @@ class DecoderLayer(nn.Module):
                 layer_cache=None) -> tuple[Tensor, list[Tensor]]:
         """Block AttnRes wiring exactly as K3_SPEC section 3 (fp32 `prefix` and `bank`); plain residual when the
         config has no block size."""
+        # NOTE: fp32 + a bf16 sublayer output is one op: the add promotes the output to fp32 exactly, as a .float()
+        # before it would, without that extra cast per sublayer (docs/engine.md "Fast decode path"). The residual is
+        # so fp32 or wider (an fp64 model's is fp64).
         if self.block_size is None:
             h = prefix
-            h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
-            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router).float(), bank
+            h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
+            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router), bank
         h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, "attn", ctx) if bank \
             else prefix
         if self.i % self.block_size == 0:
             bank = bank + [prefix]
             prefix = None
-        a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
-        prefix = a if prefix is None else prefix + a
+        a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
+        prefix = a.float() if prefix is None else prefix + a
         h = self.mix(prefix, bank, self.mlp_res_norm, self.mlp_res_proj, "mlp", ctx)
-        m = self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router).float()
-        return prefix + m, bank
+        return prefix + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router), bank
 
 
 class RMSNormWeight(nn.Module):

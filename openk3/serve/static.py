@@ -4,7 +4,7 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
     SlotPool       the decode batch's KDA states, preallocated: per KDA layer a recurrent pool [S + 1, H, K, K]
                    fp32 and a conv-tail pool [S + 1, W-1, 3*H*K]; a request joining the batch takes a slot (its
                    prefilled state is copied in once), one leaving gives it back. Slot 0 is a scratch slot for the
-                   rows that pad a batch to its bucket (it stays zero, see `SlotKDAState`).
+                   rows that pad a batch to its bucket (zeroed again after every step, see `SlotKDAState`).
     StaticMLA      one MLA layer's cache for the step: writes the new latent of every row into its page and reads
                    the pool through a fixed-width page table [B, P] (padded with the zero page) plus each row's
                    length (the mask), with one batched gather and no per-row copy.
@@ -70,7 +70,11 @@ def page_bucket(n: int) -> int:
 
 
 class SlotPool:
-    """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring)."""
+    """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring).
+
+    Every layer's pool is a view into one tensor per kind ([L, S + 1, H, K, K] fp32 and [L, S + 1, W-1, 3*H*K]),
+    so the static step reads all layers' rows with one gather and resets all scratch slots with one fill, instead
+    of an op per layer for each (docs/engine.md "Fast decode path")."""
 
     def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype):
         if not isinstance(slots, int) or slots < 1:
@@ -78,14 +82,15 @@ class SlotPool:
         lac = config.linear_attn_config
         H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
         n = config.layer_types.count("kda")
-        self.recurrent = [torch.zeros(slots + 1, H, K, K, device=device) for _ in range(n)]
-        self.conv = [torch.zeros(slots + 1, W - 1, 3 * H * K, device=device, dtype=dtype) for _ in range(n)]
+        self.recurrent_all = torch.zeros(n, slots + 1, H, K, K, device=device)
+        self.conv_all = torch.zeros(n, slots + 1, W - 1, 3 * H * K, device=device, dtype=dtype)
+        self.recurrent, self.conv = list(self.recurrent_all.unbind(0)), list(self.conv_all.unbind(0))
         self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
 
     def take(self, states: list[KDAState]) -> int:
         """A free slot, holding row 0 of `states` (a prefilled request's batch-1 states, one per KDA layer)."""
         if not self.free:
-            raise RuntimeError(f"all {len(self.recurrent[0]) - 1 if self.recurrent else 0} KDA slots are in use")
+            raise RuntimeError(f"all {self.recurrent_all.shape[1] - 1} KDA slots are in use")
         slot = self.free.pop()
         for rec, conv, s in zip(self.recurrent, self.conv, states):
             rec[slot] = s.recurrent[0]
@@ -95,9 +100,19 @@ class SlotPool:
     def give(self, slot: int) -> None:
         self.free.append(slot)
 
-    def view(self, slots: Tensor, valid: Tensor | None = None) -> list[SlotKDAState]:
-        """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer."""
-        return [SlotKDAState(r, c, slots, valid) for r, c in zip(self.recurrent, self.conv)]
+    def view(self, slots: Tensor, gather: bool = False) -> list[SlotKDAState]:
+        """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer. `gather`: read every layer's
+        rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does)."""
+        if not gather:
+            return [SlotKDAState(r, c, slots) for r, c in zip(self.recurrent, self.conv)]
+        rec, conv = self.recurrent_all.index_select(1, slots), self.conv_all.index_select(1, slots)
+        return [SlotKDAState(rp, cp, slots, r, c) for rp, cp, r, c in
+                zip(self.recurrent, self.conv, rec.unbind(0), conv.unbind(0))]
+
+    def clear_scratch(self) -> None:
+        """Slot 0 of every layer back to the zero state, after a step whose padding rows wrote there."""
+        self.recurrent_all[:, 0].zero_()
+        self.conv_all[:, 0].zero_()
 
 
 class StaticMLA:
@@ -175,7 +190,7 @@ class StaticDecoder:
         the fp32 logits [B, V])."""
         valid = buf.live != 0
         mask = (buf.key_pos[None, :] <= buf.lengths[:, None])[:, None, None]
-        kda = iter(self.slots.view(buf.slots, valid))
+        kda = iter(self.slots.view(buf.slots, gather=True))
         layers, mla_index = [], 0
         for kind in self.layer_types:
             if kind == "kda":
@@ -184,10 +199,13 @@ class StaticDecoder:
                 layers.append(StaticMLA(self.pool, mla_index, buf, valid, mask))
                 mla_index += 1
         logits = self.model(buf.ids[:, None], cache=K3Cache(layers), validate=False).logits[:, -1].float()
+        self.slots.clear_scratch()
         tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, buf.top_p.float(), buf.seed,
                                         buf.counter, greedy_only=greedy_only)
         finite = torch.isfinite(logits).all(-1)
-        return torch.stack([tokens.double(), logprobs.double(), finite.double()]), logits
+        # one op for the three rows, cast into float64 by the stack itself (exact: token ids < 2**53)
+        out = torch.empty(3, logits.shape[0], dtype=torch.float64, device=logits.device)
+        return torch.stack([tokens, logprobs, finite], out=out), logits
 
     def _capture(self, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
         """Warm up on a side stream (lazy inits, Triton autotuning), then capture one step. Both run on a cleared
