@@ -255,18 +255,53 @@ def test_the_static_step_has_no_host_sync(family, greedy_only):
     assert ("cumsum" in names) != greedy_only  # the sampled variant runs the top-p filter
 
 
+def kimi_linear_shaped_model() -> "K3ForCausalLM":
+    """kimi-linear-1.5b's layer structure (16 layers, 12 KDA : 4 MLA, a dense first layer, 15 MoE layers of 32
+    experts top-4 + a shared one) at width 64: the ops of its decode step are the H200 benchmark model's."""
+    from openk3.config import kimi_linear_1_5b
+    from openk3.model.model import K3ForCausalLM
+
+    config = kimi_linear_1_5b().replace(
+        vocab_size=256, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+        linear_attn_config={"num_heads": 2, "head_dim": 16})
+    torch.manual_seed(0)
+    return K3ForCausalLM(config).eval().cast(torch.bfloat16)
+
+
+# Ops (aten ops that do work, `OpNames`) of one greedy static decode step of `kimi_linear_shaped_model`, measured on
+# the CPU with torch 2.13 (docs/engine.md "Fast decode path" has the command): 2,121 before issue #12's cuts, 1,959
+# after. A regression bound: a change that adds ops to the decode step must say so here.
+DECODE_STEP_OPS = 1959
+
+
+def test_the_decode_step_does_not_grow():
+    names = one_static_step(kimi_linear_shaped_model(), greedy_only=True, kernels=True)
+    ops = collections.Counter(names)
+    assert len(names) <= DECODE_STEP_OPS, ops.most_common(20)
+    # the slot pool: one gather per kind for all 12 KDA layers, one write per layer and kind, one scratch reset per
+    # kind, no per-layer masking of the padding rows
+    assert ops["index_select"] == 2 and ops["index_copy_"] == 2 * 12 and ops["zero_"] == 2
+    assert ops["_to_copy"] <= 486 and ops["where"] <= 4  # the 4 MLA layers' padding-row mask
+
+
 @pytest.mark.slow
-def test_compiled_static_step_equals_the_general_decode_path():
-    """torch.compile of the step (dynamo's tracing with the eager backend here: Inductor's code generation would
-    take minutes on this CPU) traces it whole and keeps it equal to the general path, across recompiles for new
-    buckets."""
+def test_compiled_static_step_equals_the_eager_one():
+    """torch.compile of the step traces it whole (no graph break) and keeps it equal to the eager static step (so to
+    the general path, test above), across recompiles for new buckets. Backend aot_eager: dynamo's graph through
+    AOTAutograd's functionalization (the slot pools' in-place writes into views of one tensor included), run by
+    eager kernels; Inductor's code generation would take minutes on this CPU."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     # NOTE: bf16: torch.compile traces torch._grouped_mm (the MoE) in bf16 only (openk3/ops/moe.py)
     model = small_model("k3", seed=3).cast(torch.bfloat16)
-    runners = [ModelRunner(model, num_pages=200, page_size=4),
-               ModelRunner(model, num_pages=200, page_size=4, slots=8, compile="eager")]
-    ragged_decode(model, runners, steps=8)
+    runners = [ModelRunner(model, num_pages=200, page_size=4, slots=8),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8, compile="aot_eager")]
+    ragged_decode(model, runners, steps=8, tol=1e-9)
     assert runners[1].decoder.counters["static_steps"] == 8
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_nan_state_fails_only_its_request_on_the_fast_path():
