@@ -118,24 +118,25 @@ class SlotPool:
 class StaticMLA:
     """One MLA layer's paged cache for a static decode step (the `MLAState.append` protocol, T = 1)."""
 
-    def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", valid: Tensor, mask: Tensor):
-        self.pool, self.index, self.buf, self.valid, self.mask = pool, mla_index, buf, valid, mask
+    def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", mask: Tensor):
+        self.pool, self.index, self.buf, self.mask = pool, mla_index, buf, mask
 
     def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
         """Write each row's new latent at its (page, offset), then read every row's pages through the table.
         -> latents [B, P*page_size, C] and the mask [B, 1, 1, P*page_size] (key position <= the row's length).
-        NOTE: padding rows write zeros into the zero page (offset 0), which so stays zero."""
+        NOTE: padding rows write their latent into the zero page (offset 0), unmasked: real rows read the zero page
+        only where their mask is False, where the softmax weight is exactly 0 and 0 * a finite latent adds nothing;
+        `StaticDecoder._run` zeroes the page again after the forward, so between steps it is zero (cache.py)."""
         buf, mla = self.buf, self.pool.mla
-        lat = torch.where(self.valid[:, None], lat_BTC[:, 0], 0).to(mla.dtype)
-        mla[buf.write_page, self.index, buf.write_offset] = lat
+        mla[buf.write_page, self.index, buf.write_offset] = lat_BTC[:, 0].to(mla.dtype)
         return mla[buf.table, self.index].flatten(1, 2), self.mask
 
 
 class StepBuffers:
-    """The static inputs of one (batch, pages) bucket. Integer inputs live in one [9, B] tensor and floats in one
+    """The static inputs of one (batch, pages) bucket. Integer inputs live in one [8, B] tensor and floats in one
     [2, B] tensor, so the host fills them with three copies (those two and the page table)."""
 
-    INTS = ("ids", "slots", "live", "lengths", "write_page", "write_offset", "top_k", "seed", "counter")
+    INTS = ("ids", "slots", "lengths", "write_page", "write_offset", "top_k", "seed", "counter")
 
     def __init__(self, B: int, P: int, page_size: int, device):
         self.B, self.P = B, P
@@ -143,8 +144,8 @@ class StepBuffers:
         self.floats = torch.zeros(2, B, dtype=torch.float64, device=device)  # temperature, top_p
         self.table = torch.zeros(B, P, dtype=torch.long, device=device)
         self.key_pos = torch.arange(P * page_size, device=device)
-        # named views of the rows of `ints` (live: 1 for a real row, 0 for a padding row)
-        (self.ids, self.slots, self.live, self.lengths, self.write_page, self.write_offset, self.top_k, self.seed,
+        # named views of the rows of `ints` (a padding row: all zero)
+        (self.ids, self.slots, self.lengths, self.write_page, self.write_offset, self.top_k, self.seed,
          self.counter) = self.ints
         self.temperature, self.top_p = self.floats
 
@@ -188,7 +189,6 @@ class StaticDecoder:
     def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
         the fp32 logits [B, V])."""
-        valid = buf.live != 0
         mask = (buf.key_pos[None, :] <= buf.lengths[:, None])[:, None, None]
         kda = iter(self.slots.view(buf.slots, gather=True))
         layers, mla_index = [], 0
@@ -196,10 +196,13 @@ class StaticDecoder:
             if kind == "kda":
                 layers.append(next(kda))
             else:
-                layers.append(StaticMLA(self.pool, mla_index, buf, valid, mask))
+                layers.append(StaticMLA(self.pool, mla_index, buf, mask))
                 mla_index += 1
         logits = self.model(buf.ids[:, None], cache=K3Cache(layers), validate=False).logits[:, -1].float()
+        # the padding rows wrote into the scratch slots and the zero page: one reset of each per step, not a mask of
+        # the padding rows' writes per layer (docs/engine.md "Fast decode path")
         self.slots.clear_scratch()
+        self.pool.mla[0].zero_()
         tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, buf.top_p.float(), buf.seed,
                                         buf.counter, greedy_only=greedy_only)
         finite = torch.isfinite(logits).all(-1)
@@ -209,7 +212,7 @@ class StaticDecoder:
 
     def _capture(self, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
         """Warm up on a side stream (lazy inits, Triton autotuning), then capture one step. Both run on a cleared
-        buffer (padding rows only), so they write zeros into the scratch slot and the zero page and nothing else."""
+        buffer (padding rows only), so they write into the scratch slot and the zero page only (and zero them)."""
         buf.clear()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -246,7 +249,7 @@ class StaticDecoder:
 
         ints = torch.zeros(len(StepBuffers.INTS), B, dtype=torch.long)
         ints[:, :n] = torch.tensor([
-            tokens, slots, [1] * n, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
+            tokens, slots, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
             [s.length % ps for s in seqs], [p.top_k for p in params], seeds, counters])
         floats = torch.zeros(2, B, dtype=torch.float64)
         floats[:, :n] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
