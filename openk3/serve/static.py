@@ -203,8 +203,9 @@ class StaticDecoder:
         # the padding rows' writes per layer (docs/engine.md "Fast decode path")
         self.slots.clear_scratch()
         self.pool.mla[0].zero_()
-        tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, buf.top_p.float(), buf.seed,
-                                        buf.counter, greedy_only=greedy_only)
+        top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast for it
+        tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, top_p, buf.seed, buf.counter,
+                                        greedy_only=greedy_only)
         finite = torch.isfinite(logits).all(-1)
         # one op for the three rows, cast into float64 by the stack itself (exact: token ids < 2**53)
         out = torch.empty(3, logits.shape[0], dtype=torch.float64, device=logits.device)
