@@ -48,13 +48,23 @@ class KDABackend:
         return f"KDA backend '{self.name}': {self.reason}"
 
 
+# NOTE: the backends chosen so far, looked up before `_select`: a compiled decode step (serve/static.py) calls
+# select_kda_backend in every KDA layer, and dynamo traces the body of a functools.cache'd function, whose CUDA branch
+# imports fla (a graph break per call); a plain dict lookup it traces to the constant object.
+_CHOSEN: dict[tuple, "KDABackend"] = {}
+
+
 def select_kda_backend(device: torch.device | str) -> KDABackend:
     """The KDA backend for `device`, honouring OPENK3_KDA_BACKEND; see the module docstring."""
     requested = os.environ.get(BACKEND_ENV, "").strip().lower() or None
     fused = os.environ.get(FUSED_ENV, "1").strip()
     if fused not in ("0", "1"):
         raise ValueError(f"{FUSED_ENV}={fused!r}: expected 0 or 1")
-    return _select(torch.device(device).type, requested, fused == "1")
+    key = (torch.device(device).type, requested, fused == "1")
+    backend = _CHOSEN.get(key)
+    if backend is None:
+        backend = _CHOSEN[key] = _select(*key)
+    return backend
 
 
 @functools.cache
