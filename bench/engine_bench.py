@@ -239,13 +239,8 @@ def main() -> None:
     p.add_argument("--draft-k", type=int, nargs="+", default=[2, 4])
     p.add_argument("--spec-batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--parts", default="decode,ttft,cache,spec", help="which benchmarks, comma-separated [all]")
-    p.add_argument("--fla-fixed-configs", action="store_true",
-                    help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
     p.add_argument("--out", default=None, help="JSON path [docs/engine_bench_<preset>_<device>.json]")
     args = p.parse_args()
-    if args.fla_fixed_configs:
-        from fla_fixed import fix_fla_configs
-        print(f"fla autotuning off: {fix_fla_configs()} kernels keep at most 3 candidates (bench/fla_fixed.py)")
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
@@ -262,7 +257,7 @@ def main() -> None:
     default = Path(__file__).resolve().parents[1] / "docs" / f"engine_bench_{args.preset}_{device.type}.json"
     out = Path(args.out) if args.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"fla_fixed_configs": args.fla_fixed_configs, "preset": args.preset, "dtype": str(dtype),
+    result = {"fla_autotune": os.environ.get("OPENK3_FLA_AUTOTUNE", "3"), "preset": args.preset, "dtype": str(dtype),
               "device": args.device, "hardware": hw, "params": counts, "args": vars(args)}
     print("engine check")
     result["check"] = check_on_device(device, args.seed)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import platform
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # fla_fixed
 
 from openk3.config import get_config  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
@@ -76,12 +74,8 @@ def main() -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29533")):
         os.environ.setdefault(key, value)
-    fla_fixed = device.type == "cuda" and importlib.util.find_spec("fla") is not None
     if device.type == "cuda":
         torch.cuda.set_device(0)
-    if fla_fixed:  # a fresh machine would otherwise spend minutes autotuning fla before step 1 (bench/fla_fixed.py)
-        from fla_fixed import fix_fla_configs
-        fix_fla_configs()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(0)
     config = get_config(args.preset)
@@ -104,7 +98,7 @@ def main() -> None:
     print(f"  FSDP2 overhead at world 1: {100 * (1 - rows['fsdp2_world1'] / rows['unsharded']):.1f}%")
     out = Path(args.out or Path(__file__).parent / "results" / f"parallel_fsdp_{args.preset}_{device.type}.json")
     out.write_text(json.dumps({"preset": args.preset, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                               "warmup": args.warmup, "hardware": hardware, "torch": torch.__version__, "fla_fixed_configs": fla_fixed,
+                               "warmup": args.warmup, "hardware": hardware, "torch": torch.__version__, "fla_autotune": os.environ.get("OPENK3_FLA_AUTOTUNE", "3"),
                                "tokens_per_s": rows}, indent=2) + "\n")
     dist.destroy_process_group()
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from openk3.config import K3Config  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
+from openk3.ops.kda.tuned import FLA_MODULES, limit_fla_autotuning  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ tasks
 
@@ -370,17 +371,15 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", choices=("openk3", "torch"), default="openk3",
                    help="openk3 models: their own init, or PyTorch's default init of every layer (a diagnosis)")
-    p.add_argument("--no-fla-fixed-configs", action="store_true",
-                   help="let fla autotune every candidate config (minutes on a fresh machine)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=str(ROOT / "bench/results/recall.json"))
     p.add_argument("--plot", default=str(ROOT / "docs/recall.png"))
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the issue's setting)
     torch.backends.cudnn.allow_tf32 = False
-    if args.device.startswith("cuda") and not args.no_fla_fixed_configs and importlib.util.find_spec("fla"):
-        from fla_fixed import fix_fla_configs
-        fix_fla_configs(("fla.ops.kda", "fla.layers", "fla.modules"))
+    if args.device.startswith("cuda") and importlib.util.find_spec("fla"):
+        # fla's own layers autotune like openk3's kernels: over at most 3 candidates (OPENK3_FLA_AUTOTUNE=full: all)
+        limit_fla_autotuning(FLA_MODULES + ("fla.layers", "fla.modules"))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

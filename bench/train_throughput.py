@@ -126,19 +126,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one more step and write the top-30 ops next to --out")
-    ap.add_argument("--fla-fixed-configs", action="store_true",
-                    help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
     ap.add_argument("--out", default="bench/results/train_throughput.json")
     args = ap.parse_args()
-    if args.fla_fixed_configs:
-        from fla_fixed import fix_fla_configs
-        print(f"fla autotuning off: {fix_fla_configs()} kernels keep at most 3 candidates (bench/fla_fixed.py)")
     config = get_config(args.preset)
     counts = count_params(config)
     hw = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
     header = {"preset": args.preset, **counts, "hardware": hw, "torch": torch.__version__,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype": args.dtype,
-              "fla_fixed_configs": args.fla_fixed_configs, "doc_len": args.seq_len // 4,
+              "fla_autotune": os.environ.get("OPENK3_FLA_AUTOTUNE", "3"), "doc_len": args.seq_len // 4,
               "flops_per_token": flops_per_token(config, args.seq_len // 4)}
     print(json.dumps(header))
     results = []

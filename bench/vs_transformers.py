@@ -44,6 +44,7 @@ from openk3.config import _MXFP4, get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from openk3.ops import select_kda_backend, select_moe_backend  # noqa: E402
+from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
 from openk3.train.optim import build_optimizer, model_head_dims  # noqa: E402
 
 RUNS = ("transformers", "openk3_bf16_adamw", "openk3_recipe", "openk3_packed", "openk3_k3_features",
@@ -237,9 +238,6 @@ def main() -> None:
     ap.add_argument("--loss-chunk", type=int, default=0, help="openk3's chunked loss (tokens per chunk), 0 = off")
     ap.add_argument("--profile", action="store_true", help="profile one extra step of every run (top ops -> JSON)")
     ap.add_argument("--skip-logits", action="store_true", help="skip the fp32 logits comparison")
-    ap.add_argument("--fla-fixed-configs", action="store_true",
-                    help="autotune fla kernels over at most 3 candidates (bench/fla_fixed.py): minutes less on a "
-                         "fresh machine, lightly tuned kernels")
     ap.add_argument("--dump-fla-configs", default=None,
                     help="after the runs, write fla's tuned kernel configs here (openk3/ops/kda/tuned.py)")
     ap.add_argument("--out", default="bench/results/vs_transformers_train.json")
@@ -247,11 +245,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     kda = select_kda_backend("cuda")  # first: it points fla at the shipped kernel configs before fla is imported
-    if args.fla_fixed_configs:
-        from fla_fixed import fix_fla_configs
-        n = fix_fla_configs(("fla.ops.kda", "fla.modules.causal_conv1d", "fla.modules.norm.fused_norm_gate",
-                             "fla.modules.activations", "fla.modules.norm.l2norm"))
-        print(f"fla: {n} kernels keep at most 3 candidate configs (bench/fla_fixed.py)")
+    # transformers' KimiLinear runs fla's layers: their kernels autotune the way openk3's do (at most 3 candidates
+    # unless OPENK3_FLA_AUTOTUNE=full), so both sides are tuned alike
+    print(f"fla: {limit_fla_autotuning(FLA_MODULES + ('fla.layers', 'fla.modules'))} more kernels cut to "
+          f"{autotune_candidates() or 'all'} autotune candidates; {kda}")
     hw = torch.cuda.get_device_name(0)
     args.peak = PEAK_BF16.get(hw, 989e12)
     config = get_config(args.config)
@@ -261,7 +258,7 @@ def main() -> None:
     result = {"hardware": f"{hw}, torch {torch.__version__}, {platform.python_version()}",
               "command": " ".join(sys.argv), "config": {"name": args.config, **count_params(config)},
               "batch": [args.batch_size, args.seq_len], "kda_backend": str(kda),
-              "fla_fixed_configs": args.fla_fixed_configs,
+              "fla_autotune_candidates": autotune_candidates(),
               "moe_backend": select_moe_backend("cuda", torch.bfloat16).reason, "runs": {}}
     try:
         import transformers

@@ -12,9 +12,11 @@ names and config.json, which transformers' `KimiLinearForCausalLM` loads. Then, 
   prefill           time to the first token of one prompt of 8K/32K/64K tokens;
   prefix_hit_ttft   time to first token of a 32K-token turn cold vs after a prefix hit (engine only: transformers
                     has no prefix cache across calls);
-  speculative       what the engine has: speculative decoding with an early-exit draft (the target's first
-                    layers); acceptance rate and speed-up at batch 1. NOTE: a random model's acceptance says nothing
-                    about a trained draft's;
+  speculative       speculative decoding at batch 1 with a trained draft: the target (this model) and a 2-layer
+                    half-width draft train briefly in turn on the same corpus (the stdlib's .py files) with the same
+                    BPE tokenizer, then decode held-out prompts greedily: acceptance rate, tokens/s and speed-up per
+                    --draft-k, whether the greedy output equals the plain engine's (it must in fp32), the training
+                    losses and seconds; the trained target's first layers (early exit) as a second draft;
   memory            KV/state bytes per sequence at 32K tokens (the engine's pool sizes) and the largest batch of
                     32K-token sequences that fits in the device memory left after the weights;
   profile           (not in the default list) the top ops of eager decode steps at each batch size, torch.profiler.
@@ -27,7 +29,9 @@ does not rerun, so one benchmark may be split into several runs by `--parts`. `-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -40,24 +44,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import greedy, hardware, random_prompts  # noqa: E402
-from openk3.config import get_config  # noqa: E402
+from openk3.config import K3Config, get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.model.checkpoint import is_k3_layout, load_pretrained, save_pretrained  # noqa: E402
+from openk3.ops import select_kda_backend  # noqa: E402
+from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
 from openk3.serve.cache import PagePool, cache_bytes_per_token  # noqa: E402
 from openk3.serve.engine import Engine, EngineConfig, early_exit_draft  # noqa: E402
+from openk3.text.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from openk3.train.data import TokenizedCorpus, load_corpus, split_train_val, tokenize_corpus  # noqa: E402
+from openk3.train.optim import cosine_schedule  # noqa: E402
+from openk3.train.trainer import RouterBalancer, RowStreams, TrainArgs, evaluate  # noqa: E402
 
 PARTS = ("decode", "prefill", "prefix_hit_ttft", "speculative", "memory", "profile")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------------ setup
-
-def fix_fla_configs() -> int:
-    """bench/fla_fixed.py's cut of fla's autotuning candidates, over every fla module loaded so far."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fla_fixed import fix_fla_configs as fix
-    return fix()
-
 
 def write_json(path: Path, data: dict) -> None:
     """Atomic: a temporary file beside `path`, renamed over it."""
@@ -278,29 +281,180 @@ def part_prefix_hit(model, args, rng) -> dict:
             "hit_ttft_s": hit_s, "hit_over_cold": hit_s / cold_s, "same_first_token": hit.output == cold.output}
 
 
-def part_speculative(model, args, rng) -> dict:
-    c = model.config
-    layers = args.draft_layers or max(2, 1 + c.layer_types.index("mla"))
-    draft = early_exit_draft(model, layers)
-    prompts = random_prompts(1, args.prompt_len, c.vocab_size, rng)
-    plain = engine_for(model, args, 1, prefix_cache=False)
-    timed_engine_run(plain, prompts, 4, args.device)
-    base_s, base = timed_engine_run(plain, prompts, args.decode_tokens, args.device)
-    out = {"draft": f"early exit: the target's first {layers} of {c.num_hidden_layers} layers (no trained draft "
-                    f"exists in openk3 yet)", "baseline_tokens_per_s": args.decode_tokens / base_s}
+# ------------------------------------------------------------------------------------------ trained draft
+
+SPEC_VAL_FRACTION = 0.05  # documents held out: the prompts of the measurement and the held-out loss come from them
+
+
+def draft_config(config: K3Config) -> K3Config:
+    """The speculative part's draft: the target's family at 2 layers and half the width. Layer 1 is KDA, layer 2
+    MLA: the engine's page pool needs an MLA layer in the draft, and exact attention over the prompt lets it copy
+    what code repeats (names, indentation). Both layers dense (no router to train or dispatch). The same vocabulary
+    and token ids, which the engine requires. Why this size: at batch 1 a decode step is bound by kernel launches
+    and host syncs, not FLOPs, so the draft's cost is set by its layer count (2 of 16 at kimi-linear-1.5b); half the
+    width buys acceptance for nothing there, while its training stays a small fraction of the target's."""
+    lac = dataclasses.asdict(config.linear_attn_config)
+    return config.replace(
+        num_hidden_layers=2, hidden_size=config.hidden_size // 2, intermediate_size=config.intermediate_size // 2,
+        num_attention_heads=max(1, config.num_attention_heads // 2),
+        num_key_value_heads=max(1, config.num_key_value_heads // 2), first_k_dense_replace=2,
+        linear_attn_config={**lac, "num_heads": max(1, lac["num_heads"] // 2), "kda_layers": [1],
+                            "full_attn_layers": [2]})
+
+
+def spec_data(config: K3Config, args) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
+    """The corpus both models learn: `openk3 train`'s default (the stdlib's .py files, or a deterministic sample of
+    `--spec-corpus-mb` of them), split by document, and the project's byte-level BPE trained on the training part.
+    The tokenizer's ids must be the target's: ids 0..vocab-1 within the config's vocabulary (rows beyond are never
+    seen), and the config's bos/eos/pad ids."""
+    max_bytes = int(args.spec_corpus_mb * 1e6) if args.spec_corpus_mb else None
+    train_docs, val_docs = split_train_val(load_corpus(None, max_bytes=max_bytes), SPEC_VAL_FRACTION, seed=0)
+    tokenizer = train_bpe((d.text for d in train_docs), min(args.spec_vocab, config.vocab_size))
+    ids = {"bos": (tokenizer.bos_id, config.bos_token_id), "eos": (tokenizer.eos_id, config.eos_token_id),
+           "pad": (tokenizer.pad_id, config.pad_token_id)}
+    bad = {k: v for k, v in ids.items() if v[0] != v[1]}
+    if bad:
+        raise SystemExit(f"--config {args.config}: its token ids differ from the BPE tokenizer's ({bad}, "
+                         f"tokenizer first); the speculative part trains the config as it is")
+    return tokenizer, tokenize_corpus(train_docs, tokenizer), tokenize_corpus(val_docs, tokenizer)
+
+
+def train_briefly(model: K3ForCausalLM, data: RowStreams, val: TokenizedCorpus, tokenizer: Tokenizer,
+                  args) -> dict:
+    """The shortest correct loop over openk3's training pieces. `openk3 train`'s loop (trainer.train) is a whole
+    run: a run directory, fp32 master weights with Muon, evaluation and checkpoints of every optimizer state; this
+    trains the weights as they are (bf16 on CUDA: the bf16-weights + AdamW path docs/training.md measured at ~55K
+    tokens/s for kimi-linear-1.5b) with AdamW, the trainer's warmup + cosine schedule, gradient clipping and
+    Quantile Balancing of the routers (its RouterBalancer and defaults). `data` is advanced. Returns the mean loss
+    of the last 10 steps, the held-out loss (trainer.evaluate) and the seconds of the steps (the first one apart)."""
+    device, steps = model.lm_head.weight.device, args.spec_train_steps
+    model.train().requires_grad_(True)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=args.spec_lr, betas=(0.9, 0.95), weight_decay=TrainArgs.weight_decay,
+                            fused=device.type == "cuda")
+    balancer = RouterBalancer(model, TrainArgs.balance, TrainArgs.qb_bins, TrainArgs.sign_rate)
+    losses = []
+    sync(device)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = args.spec_lr * cosine_schedule(step, steps, TrainArgs.warmup, TrainArgs.min_lr_ratio)
+        batch = next(data).to(device)
+        out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
+                    loss_chunk=TrainArgs.loss_chunk, record=True)
+        out.loss.backward()
+        balancer.after_forward(out.router)
+        torch.nn.utils.clip_grad_norm_(params, TrainArgs.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        balancer.end_step()
+        losses.append(out.loss.item())
+        if step == 0:  # on CUDA the first step compiles (and autotunes) the backward's Triton kernels
+            first_step_s = time.perf_counter() - t0
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"the training loss is {losses[-1]} at step {step + 1}; lower --spec-lr")
+    sync(device)
+    seconds = time.perf_counter() - t0
+    del opt
+    model.eval().requires_grad_(False)
+    held_out = evaluate(model, val, tokenizer, batch_size=data.batch_size, seq_len=data.seq_len,
+                        max_tokens=4 * data.batch_size * data.seq_len)
+    tail = losses[-10:]
+    return {"train_loss": sum(tail) / len(tail), "first_loss": losses[0], "held_out_loss": held_out["loss"],
+            "train_seconds": seconds, "first_step_seconds": first_step_s, "steps": steps,
+            "train_tokens_per_s": steps * data.batch_size * data.seq_len / seconds}
+
+
+def held_out_prompts(val: TokenizedCorpus, n: int, length: int, continuation: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens: the starts of consecutive windows of `length + continuation` tokens of the
+    held-out documents, in document order (so held-out text, not the prompt alone, follows each prompt)."""
+    need, prompts = length + continuation, []
+    for a, b in zip(val.doc_offsets[:-1].tolist(), val.doc_offsets[1:].tolist()):
+        for start in range(a, b - need + 1, need):
+            prompts.append(val.tokens[start:start + length].tolist())
+            if len(prompts) == n:
+                return prompts
+    raise SystemExit(f"--spec-prompts {n}: the held-out documents hold only {len(prompts)} windows of "
+                     f"{need} tokens (--prompt-len + --decode-tokens); raise --spec-corpus-mb or ask for fewer")
+
+
+def speculative_rows(target: K3ForCausalLM, draft: K3ForCausalLM, prompts: list[list[int]], base_s: float,
+                     base: list, args) -> dict:
+    """Per k of --draft-k, the prompts one after another at batch 1 with `draft`: acceptance (accepted / drafted
+    tokens), tokens/s, speed-up over the plain engine's `base_s`, and whether every greedy output equals `base`."""
+    rows = {}
     for k in args.draft_k:
-        engine = engine_for(model, args, 1, draft=draft, prefix_cache=False, num_draft_tokens=k)
-        timed_engine_run(engine, prompts, 4, args.device)
+        engine = engine_for(target, args, 1, draft=draft, prefix_cache=False, num_draft_tokens=k)
+        timed_engine_run(engine, prompts[:1], 4, args.device)  # warm-up
         before = dict(engine.counters)
         seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
-        acc = (engine.counters["accepted_tokens"] - before["accepted_tokens"]) / max(
-            1, engine.counters["draft_tokens"] - before["draft_tokens"])
-        row = {"acceptance_rate": acc, "tokens_per_s": args.decode_tokens / seconds,
-               "speedup": base_s / seconds, "greedy_output_equal": reqs[0].output == base[0].output}
-        out[f"k={k}"] = row
-        print(f"  k {k}: acceptance {acc:6.1%}  {row['tokens_per_s']:9.1f} tok/s vs {out['baseline_tokens_per_s']:9.1f}"
-              f" ({row['speedup']:.2f}x), greedy output {'equal' if row['greedy_output_equal'] else 'DIFFERS'}",
-              flush=True)
+        n = {key: engine.counters[key] - before[key] for key in ("draft_tokens", "accepted_tokens", "spec_rounds")}
+        row = {"acceptance_rate": n["accepted_tokens"] / max(1, n["draft_tokens"]),
+               "tokens_per_round": (n["accepted_tokens"] + n["spec_rounds"]) / max(1, n["spec_rounds"]),
+               "tokens_per_s": sum(len(r.output) for r in reqs) / seconds, "speedup": base_s / seconds,
+               "greedy_output_equal": [r.output for r in reqs] == [b.output for b in base]}
+        rows[f"k={k}"] = row
+        print(f"    k {k}: acceptance {row['acceptance_rate']:6.1%} ({row['tokens_per_round']:.2f} tokens a round)  "
+              f"{row['tokens_per_s']:9.1f} tok/s ({row['speedup']:.2f}x), greedy output "
+              f"{'equal' if row['greedy_output_equal'] else 'DIFFERS'}", flush=True)
+    return rows
+
+
+def part_speculative(ckpt: Path, args) -> dict:
+    """Speculative decoding at batch 1 with a trained draft. The target (the bench's model, loaded again from its
+    checkpoint) and a draft (`draft_config`, seeded init) train in turn on the same batches of the same corpus
+    with the same tokenizer (`spec_data`, `train_briefly`); then the plain engine and the engine with each draft
+    k decode the same held-out prompts greedily. The trained target's first layers (early exit) are a second row.
+    NOTE: in fp32 the greedy outputs must equal the plain engine's (a speculative round changes the speed, never
+    the tokens); in bf16 the verify forward over k + 1 tokens may round differently from one-token steps."""
+    target = load_pretrained(ckpt, device=args.device, dtype=DTYPES[args.dtype])
+    c = target.config
+    t0 = time.perf_counter()
+    tokenizer, train, val = spec_data(c, args)
+    data_s = time.perf_counter() - t0
+    print(f"  data: {train.num_tokens:,} training / {val.num_tokens:,} held-out tokens of the stdlib's .py files, "
+          f"BPE vocabulary {tokenizer.vocab_size} ({data_s:.1f} s)", flush=True)
+    with torch.device("meta"):
+        draft = K3ForCausalLM(draft_config(c))
+    draft.to_empty(device=args.device)
+    draft.reset_parameters(seed=args.seed + 1)
+    draft.cast(DTYPES[args.dtype])
+    trained = {}
+    for name, m in (("target", target), ("draft", draft)):  # a stream each, the same batches (trainer's rows)
+        data = RowStreams(train, args.spec_train_batch, args.spec_train_seq, seed=args.seed)
+        trained[name] = train_briefly(m, data, val, tokenizer, args)
+        t = trained[name]
+        print(f"  trained the {name}: {t['steps']} steps of {args.spec_train_batch} x {args.spec_train_seq} tokens "
+              f"in {t['train_seconds']:.1f} s (the first {t['first_step_seconds']:.1f} s; "
+              f"{t['train_tokens_per_s']:,.0f} tokens/s), loss {t['first_loss']:.2f} "
+              f"-> {t['train_loss']:.2f}, held out {t['held_out_loss']:.2f}", flush=True)
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+    prompts = held_out_prompts(val, args.spec_prompts, args.prompt_len, args.decode_tokens)
+    plain = engine_for(target, args, 1, prefix_cache=False)
+    timed_engine_run(plain, prompts[:1], 4, args.device)  # warm-up
+    base_s, base = timed_engine_run(plain, prompts, args.decode_tokens, args.device)
+    d = draft.config
+    out = {"draft": f"trained: {d.num_hidden_layers} layers ({', '.join(d.layer_types)}, dense), hidden "
+                    f"{d.hidden_size} of {c.hidden_size}, on the target's data and tokenizer",
+           "draft_params": sum(p.numel() for p in draft.parameters()),
+           "target_params": sum(p.numel() for p in target.parameters()),
+           "baseline_tokens_per_s": sum(len(r.output) for r in base) / base_s,
+           "baseline_decode_path": plain.decode_path,
+           # a briefly trained model may loop on one token (a newline); then equal outputs prove less
+           "baseline_distinct_tokens": len({t for r in base for t in r.output}),
+           "prompts": len(prompts), "prompt_source": "held-out documents of the training corpus",
+           "tokenizer_vocab": tokenizer.vocab_size, "train_tokens": train.num_tokens, "data_seconds": data_s,
+           "train_batch": [args.spec_train_batch, args.spec_train_seq], "lr": args.spec_lr}
+    for name, t in trained.items():
+        out.update({f"{name}_{key}": v for key, v in t.items()})
+    print(f"  plain engine ({plain.decode_path}): {out['baseline_tokens_per_s']:.1f} tok/s over {len(prompts)} "
+          f"held-out prompts; trained draft ({out['draft_params'] / 1e6:.1f}M parameters):", flush=True)
+    out.update(speculative_rows(target, draft, prompts, base_s, base, args))
+    layers = args.draft_layers or max(2, 1 + c.layer_types.index("mla"))
+    print(f"  early exit (the trained target's first {layers} layers):", flush=True)
+    out["early_exit"] = {"draft": f"early exit: the trained target's first {layers} of {c.num_hidden_layers} layers",
+                         **speculative_rows(target, early_exit_draft(target, layers), prompts, base_s, base, args)}
     return out
 
 
@@ -352,6 +506,20 @@ def summary(results: dict) -> str:
         t = results["prefix_hit_ttft"]
         lines += ["", f"TTFT of a {t['turn_tokens']}-token turn: cold {t['cold_ttft_s']:.3f} s, after a prefix hit "
                       f"{t['hit_ttft_s']:.3f} s ({t['hit_over_cold']:.3f} of cold)"]
+    if "speculative" in results and "draft_params" in results["speculative"]:
+        sp = results["speculative"]
+        lines += ["", f"speculative decoding at batch 1, {sp['prompts']} held-out prompts; plain engine "
+                      f"{sp['baseline_tokens_per_s']:,.1f} tokens/s ({sp['baseline_decode_path']}); target trained "
+                      f"{sp['target_train_seconds']:.1f} s to loss {sp['target_train_loss']:.2f} (held out "
+                      f"{sp['target_held_out_loss']:.2f}), draft ({sp['draft_params'] / 1e6:.1f}M parameters) "
+                      f"{sp['draft_train_seconds']:.1f} s to {sp['draft_train_loss']:.2f} "
+                      f"({sp['draft_held_out_loss']:.2f})",
+                  "", "| draft | k | acceptance | tokens a round | tokens/s | speed-up | greedy = plain |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, rows in (("trained", sp), ("early exit", sp["early_exit"])):
+            lines += [f"| {name} | {k[2:]} | {r['acceptance_rate']:.1%} | {r['tokens_per_round']:.2f} | "
+                      f"{r['tokens_per_s']:,.1f} | {r['speedup']:.2f} | {'yes' if r['greedy_output_equal'] else 'NO'} |"
+                      for k, r in rows.items() if k.startswith("k=")]
     if "memory" in results:
         m = results["memory"]
         lines += [f"32K-token sequence: {m['bytes_per_sequence'] / 2**20:.1f} MiB; largest batch that fits: "
@@ -381,12 +549,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=None, help="[128; quick: 16]")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None, help="[8192 32768 65536; quick: 256]")
     p.add_argument("--ttft-len", type=int, default=None, help="tokens of the prefix-hit turn [32768; quick: 512]")
-    p.add_argument("--draft-layers", type=int, default=None)
-    p.add_argument("--draft-k", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="layers of the early-exit draft [the first MLA layer and those before it, at least 2]")
+    p.add_argument("--draft-k", type=int, nargs="+", default=[2, 4], help="draft tokens per speculative round")
+    # NOTE: the defaults are sized from docs/training.md: bf16 weights + AdamW train kimi-linear-1.5b at ~55K
+    # tokens/s on one H200, so the target's 150 x 16 x 1024 = 2.5M tokens (about one epoch of the stdlib at vocab
+    # 4096) take ~45 s and the 2-layer draft's the same tokens several times faster: <= ~60 s for both
+    p.add_argument("--spec-train-steps", type=int, default=None, help="training steps of target and draft each "
+                   "(part speculative) [150; quick: 40]")
+    p.add_argument("--spec-train-batch", type=int, default=None, help="rows per training step [16; quick: 8]")
+    p.add_argument("--spec-train-seq", type=int, default=None, help="tokens per training row [1024; quick: 64]")
+    p.add_argument("--spec-lr", type=float, default=None,
+                   help="peak AdamW learning rate of both trainings [1e-3; quick: 4e-3]")
+    p.add_argument("--spec-vocab", type=int, default=4096,
+                   help="BPE vocabulary trained on the corpus, at most the config's [4096]")
+    p.add_argument("--spec-corpus-mb", type=float, default=None,
+                   help="MB of the stdlib's .py files to train on, a deterministic sample [all; quick: 1]")
+    p.add_argument("--spec-prompts", type=int, default=None,
+                   help="held-out prompts decoded one after another at batch 1 [4; quick: 2]")
     p.add_argument("--profile-tokens", type=int, default=16, help="greedy tokens per profiled run (part profile)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fla-fixed-configs", action="store_true",
-                   help="autotune fla kernels over at most 3 candidate configs (bench/fla_fixed.py)")
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the fast path's decode step")
     p.add_argument("--decode-path", choices=("auto", "fast", "general"), default="auto",
                    help="the engine's decode path: its default (fast on CUDA), or forced [auto]")
@@ -407,6 +589,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.prefill_lengths = args.prefill_lengths or ([256] if q else [8192, 32768, 65536])
     args.ttft_len = args.ttft_len or (512 if q else 32768)
     args.ttft_user_len, args.ttft_reply_len = (32, 8) if q else (256, 64)
+    for name, quick, full in (("spec_train_steps", 40, 150), ("spec_train_batch", 8, 16), ("spec_train_seq", 64, 1024),
+                              ("spec_corpus_mb", 1.0, None), ("spec_prompts", 2, 4), ("spec_lr", 4e-3, 1e-3)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    for name in ("spec_train_steps", "spec_train_batch", "spec_train_seq", "spec_prompts"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if not args.spec_lr > 0 or (args.spec_corpus_mb is not None and not args.spec_corpus_mb > 0):
+        raise SystemExit(f"--spec-lr {args.spec_lr} and --spec-corpus-mb {args.spec_corpus_mb}: must be positive")
     need = max(args.batch_sizes) * -(-(args.prompt_len + args.decode_tokens + max(args.draft_k)) // args.page_size)
     args.pool_pages = args.pool_pages or need + 2
     return args
@@ -415,8 +606,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.fla_fixed_configs:
-        print(f"fla autotuning cut: {fix_fla_configs()} kernels keep at most 3 candidates (bench/fla_fixed.py)")
     rng = random.Random(args.seed)
     results = {"hardware": hardware(args.device), "config": args.config, "dtype": args.dtype,
                "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
@@ -434,8 +623,10 @@ def main(argv=None) -> dict:
         model, ckpt, results["router"] = build_checkpoint(args, workdir)
         results["params"] = count_params(model.config)
         hf = load_transformers(ckpt, args) if {"decode", "prefill"} & set(args.parts) else None
-        if hf is not None and args.fla_fixed_configs:  # transformers' model loads more fla kernels (fla.modules)
-            print(f"fla autotuning cut for {fix_fla_configs()} more kernels, loaded with transformers")
+        if hf is not None and select_kda_backend(args.device).name == "fla":
+            # transformers' model runs fla's layers: they autotune the way openk3's kernels do
+            print(f"fla: {limit_fla_autotuning(FLA_MODULES + ('fla.layers', 'fla.modules'))} more kernels cut to "
+                  f"{autotune_candidates() or 'all'} autotune candidates (OPENK3_FLA_AUTOTUNE)")
         write_json(args.out, results)
         for part in args.parts:
             print(f"\n{part}:")
@@ -446,7 +637,7 @@ def main(argv=None) -> dict:
             elif part == "prefix_hit_ttft":
                 results["prefix_hit_ttft"] = part_prefix_hit(model, args, rng)
             elif part == "speculative":
-                results["speculative"] = part_speculative(model, args, rng)
+                results["speculative"] = part_speculative(ckpt, args)
             elif part == "profile":
                 results["profile"] = part_profile(model, args, rng)
             else:

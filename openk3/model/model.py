@@ -467,7 +467,7 @@ class Router(nn.Module):
         w = s.gather(-1, idx)
         if self.renorm:
             w = w / w.sum(-1, keepdim=True)
-        return idx, w * self.scale, s
+        return idx, w * self.scale if self.scale != 1 else w, s  # K3's scale is 1: no op for it
 
 
 class Experts(nn.Module):
@@ -482,7 +482,11 @@ class Experts(nn.Module):
     def forward(self, z: Tensor, idx: Tensor, w: Tensor, act, weight_fn=None) -> Tensor:
         """sum_k w[t, k] E_idx[t, k](z_t) [T, De] (openk3.ops.moe_experts). parallel/expert.py swaps this forward
         for the expert-parallel one."""
-        # NOTE: under autocast z is bf16 while the stacked expert parameters stay fp32: cast them like a Linear would
+        # NOTE: autocast does not cover torch._grouped_mm, so do what it does for a Linear: compute in its dtype. Without
+        # this, a model of fp32 parameters under bf16 autocast (the training recipe) ran its routed experts as fp32
+        # matmuls, one per expert (the H200 profile of kimi-linear-1.5b: ~4,600 fp32 GEMMs, ~45% of a step).
+        if torch.is_autocast_enabled(z.device.type):
+            z = z.to(torch.get_autocast_dtype(z.device.type))
         weights = [p.to(z.dtype) for p in (self.w1, self.w2, self.w3)]
         if weight_fn is fake_quant_mxfp4 and self.on_mxfp4_grid(weights):
             weight_fn = None
@@ -593,20 +597,22 @@ class DecoderLayer(nn.Module):
                 layer_cache=None) -> tuple[Tensor, list[Tensor]]:
         """Block AttnRes wiring exactly as K3_SPEC section 3 (fp32 `prefix` and `bank`); plain residual when the
         config has no block size."""
+        # NOTE: fp32 + a bf16 sublayer output is one op: the add promotes the output to fp32 exactly, as a .float()
+        # before it would, without that extra cast per sublayer (docs/engine.md "Fast decode path"). The residual
+        # stays in the dtype `K3ForCausalLM.forward` gave it (fp32; an fp64 model's fp64), never narrower.
         if self.block_size is None:
             h = prefix
-            h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
-            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router).float(), bank
+            h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
+            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router), bank
         h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, "attn", ctx) if bank \
             else prefix
         if self.i % self.block_size == 0:
             bank = bank + [prefix]
             prefix = None
-        a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache).float()
-        prefix = a if prefix is None else prefix + a
+        a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
+        prefix = a.to(h.dtype) if prefix is None else prefix + a
         h = self.mix(prefix, bank, self.mlp_res_norm, self.mlp_res_proj, "mlp", ctx)
-        m = self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router).float()
-        return prefix + m, bank
+        return prefix + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router), bank
 
 
 class RMSNormWeight(nn.Module):
@@ -796,7 +802,7 @@ class K3ForCausalLM(nn.Module):
         if inputs_embeds is not None and inputs_embeds.shape != (B, T, c.hidden_size):
             raise ValueError(f"inputs_embeds shape {tuple(inputs_embeds.shape)} != {(B, T, c.hidden_size)}")
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        prefix = embeds.float()  # fp32 residual stream
+        prefix = embeds.to(torch.promote_types(embeds.dtype, torch.float32))  # fp32 residual stream (an fp64 model's: fp64)
         bank: list[Tensor] = []
         for i, layer in enumerate(self.model.layers):
             prefix, bank = layer(prefix, bank, dtype, ctx, cache.layers[i] if cache is not None else None)

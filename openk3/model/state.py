@@ -98,31 +98,37 @@ class SlotKDAState:
     [slots, H, K, K] fp32 and [slots, W-1, 3*H*K], and setting writes them back in place (`index_copy_`), so
     requests join and leave by slot assignment and no batch tensor is ever rebuilt.
 
-    `valid` [B] bool (None = every row): rows that only pad a batch to its CUDA-graph bucket. They point at a
-    scratch slot and write zeros there, so the scratch slot stays the zero state whatever the padding computed."""
+    `recurrent` and `conv` (optional): the rows at `slots` already gathered (the static step gathers every layer's
+    rows in one op, serve/static.py `SlotPool.view`); gets return them until a set writes the pool.
+    NOTE: rows that only pad a batch to its CUDA-graph bucket point at a scratch slot and write what they computed
+    there; whoever pads (the static step) zeroes the scratch slot again after its forward (`SlotPool.clear_scratch`)."""
 
-    def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, slots: Tensor, valid: Tensor | None = None):
-        self.recurrent_pool, self.conv_pool, self.slots, self.valid = recurrent_pool, conv_pool, slots, valid
+    def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, slots: Tensor, recurrent: Tensor | None = None,
+                 conv: Tensor | None = None):
+        self.recurrent_pool, self.conv_pool, self.slots = recurrent_pool, conv_pool, slots
+        self._gathered = {"recurrent": recurrent, "conv": conv}
         self.inputs: dict[str, Tensor] | None = None
 
-    def _write(self, pool: Tensor, value: Tensor) -> None:
-        value = value.to(pool.dtype)
-        if self.valid is not None:
-            value = torch.where(self.valid.view(-1, *([1] * (value.dim() - 1))), value, 0)
-        pool.index_copy_(0, self.slots, value)
+    def _read(self, name: str, pool: Tensor) -> Tensor:
+        rows = self._gathered[name]
+        return pool.index_select(0, self.slots) if rows is None else rows
+
+    def _write(self, name: str, pool: Tensor, value: Tensor) -> None:
+        self._gathered[name] = None  # stale now
+        pool.index_copy_(0, self.slots, value.to(pool.dtype))
 
     @property
     def recurrent(self) -> Tensor:
-        return self.recurrent_pool.index_select(0, self.slots)
+        return self._read("recurrent", self.recurrent_pool)
 
     @recurrent.setter
     def recurrent(self, value: Tensor) -> None:
-        self._write(self.recurrent_pool, value)
+        self._write("recurrent", self.recurrent_pool, value)
 
     @property
     def conv(self) -> Tensor:
-        return self.conv_pool.index_select(0, self.slots)
+        return self._read("conv", self.conv_pool)
 
     @conv.setter
     def conv(self, value: Tensor) -> None:
-        self._write(self.conv_pool, value)
+        self._write("conv", self.conv_pool, value)

@@ -142,9 +142,9 @@ def moe_experts_grouped(
     range; ``offs`` holds the end row of every expert's range (equal neighbours = an expert with
     no tokens). Outputs are scattered back to their tokens with an fp32 index_add.
     Raises ValueError if grouped_mm_supported says no, or if D or F breaks the 16-byte rule.
-    NOTE: expert ids are not range-checked here (that would sync with the GPU); an id outside
-    0..E-1 surfaces as torch's own error (scatter_add_'s index check, or _grouped_mm's "matrix
-    batch sizes have to match"). The router's top-k guarantees the range; the loop checks it.
+    NOTE: expert ids are not range-checked here (that would sync with the GPU), and an id outside
+    0..E-1 raises nothing: a negative id joins expert 0's rows, an id >= E no expert's (its
+    slot's output is garbage). The router's top-k guarantees the range; the loop checks it.
     """
     _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
     ok, reason = grouped_mm_supported(x_TD.device, x_TD.dtype)
@@ -163,12 +163,13 @@ def moe_experts_grouped(
 
     K = topk_idx_TK.shape[1]
     expert_S = topk_idx_TK.reshape(-1)  # S = T*K token slots, slot s belongs to token s // K
-    order_S = torch.argsort(expert_S, stable=True)
+    sorted_S, order_S = torch.sort(expert_S, stable=True)
     token_S = order_S // K
-    # NOTE: counted by scatter_add_, not bincount: CUDA's bincount reads the max id back to the host (a sync),
-    # which CUDA-graph capture of the engine's decode step forbids (serve/static.py)
-    counts_E = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add_(0, expert_S, torch.ones_like(expert_S))
-    offs_E = counts_E.cumsum(0).to(torch.int32)
+    # the end row of every expert's range, read off the sorted ids: one op, int32 as _grouped_mm takes it.
+    # NOTE: not bincount + cumsum: CUDA's bincount reads the max id back to the host (a sync), which CUDA-graph
+    # capture of the engine's decode step forbids (serve/static.py)
+    offs_E = torch.searchsorted(sorted_S, torch.arange(E, device=x_TD.device, dtype=sorted_S.dtype), right=True,
+                                out_int32=True)
 
     x_SD = x_TD[token_S]
     # NOTE: the transposed weight views ([E, D, F] with strides (F*D, 1, D)) are what
@@ -178,7 +179,8 @@ def moe_experts_grouped(
     h_SF = act(gate_SF, up_SF)
     out_SD = torch._grouped_mm(h_SF, w2_EDF.transpose(-2, -1), offs=offs_E)
 
+    # fp32 weight x out_SD promotes the product to fp32 (no cast of out_SD first); summed in place into the zeros
     weight_S = topk_w_TK.reshape(-1)[order_S].float()
     y_TD = torch.zeros((T, D), dtype=torch.float32, device=x_TD.device)
-    y_TD = y_TD.index_add(0, token_S, weight_S.unsqueeze(-1) * out_SD.float())
+    y_TD.index_add_(0, token_S, weight_S.unsqueeze(-1) * out_SD)
     return y_TD.to(x_TD.dtype)

@@ -4,7 +4,7 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
     SlotPool       the decode batch's KDA states, preallocated: per KDA layer a recurrent pool [S + 1, H, K, K]
                    fp32 and a conv-tail pool [S + 1, W-1, 3*H*K]; a request joining the batch takes a slot (its
                    prefilled state is copied in once), one leaving gives it back. Slot 0 is a scratch slot for the
-                   rows that pad a batch to its bucket (it stays zero, see `SlotKDAState`).
+                   rows that pad a batch to its bucket (zeroed again after every step, see `SlotKDAState`).
     StaticMLA      one MLA layer's cache for the step: writes the new latent of every row into its page and reads
                    the pool through a fixed-width page table [B, P] (padded with the zero page) plus each row's
                    length (the mask), with one batched gather and no per-row copy.
@@ -70,7 +70,11 @@ def page_bucket(n: int) -> int:
 
 
 class SlotPool:
-    """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring)."""
+    """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring).
+
+    Every layer's pool is a view into one tensor per kind ([L, S + 1, H, K, K] fp32 and [L, S + 1, W-1, 3*H*K]),
+    so the static step reads all layers' rows with one gather and resets all scratch slots with one fill, instead
+    of an op per layer for each (docs/engine.md "Fast decode path")."""
 
     def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype):
         if not isinstance(slots, int) or slots < 1:
@@ -78,14 +82,15 @@ class SlotPool:
         lac = config.linear_attn_config
         H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
         n = config.layer_types.count("kda")
-        self.recurrent = [torch.zeros(slots + 1, H, K, K, device=device) for _ in range(n)]
-        self.conv = [torch.zeros(slots + 1, W - 1, 3 * H * K, device=device, dtype=dtype) for _ in range(n)]
+        self.recurrent_all = torch.zeros(n, slots + 1, H, K, K, device=device)
+        self.conv_all = torch.zeros(n, slots + 1, W - 1, 3 * H * K, device=device, dtype=dtype)
+        self.recurrent, self.conv = list(self.recurrent_all.unbind(0)), list(self.conv_all.unbind(0))
         self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
 
     def take(self, states: list[KDAState]) -> int:
         """A free slot, holding row 0 of `states` (a prefilled request's batch-1 states, one per KDA layer)."""
         if not self.free:
-            raise RuntimeError(f"all {len(self.recurrent[0]) - 1 if self.recurrent else 0} KDA slots are in use")
+            raise RuntimeError(f"all {self.recurrent_all.shape[1] - 1} KDA slots are in use")
         slot = self.free.pop()
         for rec, conv, s in zip(self.recurrent, self.conv, states):
             rec[slot] = s.recurrent[0]
@@ -95,32 +100,43 @@ class SlotPool:
     def give(self, slot: int) -> None:
         self.free.append(slot)
 
-    def view(self, slots: Tensor, valid: Tensor | None = None) -> list[SlotKDAState]:
-        """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer."""
-        return [SlotKDAState(r, c, slots, valid) for r, c in zip(self.recurrent, self.conv)]
+    def view(self, slots: Tensor, gather: bool = False) -> list[SlotKDAState]:
+        """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer. `gather`: read every layer's
+        rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does)."""
+        if not gather:
+            return [SlotKDAState(r, c, slots) for r, c in zip(self.recurrent, self.conv)]
+        rec, conv = self.recurrent_all.index_select(1, slots), self.conv_all.index_select(1, slots)
+        return [SlotKDAState(rp, cp, slots, r, c) for rp, cp, r, c in
+                zip(self.recurrent, self.conv, rec.unbind(0), conv.unbind(0))]
+
+    def clear_scratch(self) -> None:
+        """Slot 0 of every layer back to the zero state, after a step whose padding rows wrote there."""
+        self.recurrent_all[:, 0].zero_()
+        self.conv_all[:, 0].zero_()
 
 
 class StaticMLA:
     """One MLA layer's paged cache for a static decode step (the `MLAState.append` protocol, T = 1)."""
 
-    def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", valid: Tensor, mask: Tensor):
-        self.pool, self.index, self.buf, self.valid, self.mask = pool, mla_index, buf, valid, mask
+    def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", mask: Tensor):
+        self.pool, self.index, self.buf, self.mask = pool, mla_index, buf, mask
 
     def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
         """Write each row's new latent at its (page, offset), then read every row's pages through the table.
         -> latents [B, P*page_size, C] and the mask [B, 1, 1, P*page_size] (key position <= the row's length).
-        NOTE: padding rows write zeros into the zero page (offset 0), which so stays zero."""
+        NOTE: padding rows write their latent into the zero page (offset 0), unmasked: real rows read the zero page
+        only where their mask is False, where the softmax weight is exactly 0 and 0 * a finite latent adds nothing;
+        `StaticDecoder._run` zeroes the page again after the forward, so between steps it is zero (cache.py)."""
         buf, mla = self.buf, self.pool.mla
-        lat = torch.where(self.valid[:, None], lat_BTC[:, 0], 0).to(mla.dtype)
-        mla[buf.write_page, self.index, buf.write_offset] = lat
+        mla[buf.write_page, self.index, buf.write_offset] = lat_BTC[:, 0].to(mla.dtype)
         return mla[buf.table, self.index].flatten(1, 2), self.mask
 
 
 class StepBuffers:
-    """The static inputs of one (batch, pages) bucket. Integer inputs live in one [9, B] tensor and floats in one
+    """The static inputs of one (batch, pages) bucket. Integer inputs live in one [8, B] tensor and floats in one
     [2, B] tensor, so the host fills them with three copies (those two and the page table)."""
 
-    INTS = ("ids", "slots", "live", "lengths", "write_page", "write_offset", "top_k", "seed", "counter")
+    INTS = ("ids", "slots", "lengths", "write_page", "write_offset", "top_k", "seed", "counter")
 
     def __init__(self, B: int, P: int, page_size: int, device):
         self.B, self.P = B, P
@@ -128,8 +144,8 @@ class StepBuffers:
         self.floats = torch.zeros(2, B, dtype=torch.float64, device=device)  # temperature, top_p
         self.table = torch.zeros(B, P, dtype=torch.long, device=device)
         self.key_pos = torch.arange(P * page_size, device=device)
-        # named views of the rows of `ints` (live: 1 for a real row, 0 for a padding row)
-        (self.ids, self.slots, self.live, self.lengths, self.write_page, self.write_offset, self.top_k, self.seed,
+        # named views of the rows of `ints` (a padding row: all zero)
+        (self.ids, self.slots, self.lengths, self.write_page, self.write_offset, self.top_k, self.seed,
          self.counter) = self.ints
         self.temperature, self.top_p = self.floats
 
@@ -173,25 +189,31 @@ class StaticDecoder:
     def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
         the fp32 logits [B, V])."""
-        valid = buf.live != 0
         mask = (buf.key_pos[None, :] <= buf.lengths[:, None])[:, None, None]
-        kda = iter(self.slots.view(buf.slots, valid))
+        kda = iter(self.slots.view(buf.slots, gather=True))
         layers, mla_index = [], 0
         for kind in self.layer_types:
             if kind == "kda":
                 layers.append(next(kda))
             else:
-                layers.append(StaticMLA(self.pool, mla_index, buf, valid, mask))
+                layers.append(StaticMLA(self.pool, mla_index, buf, mask))
                 mla_index += 1
         logits = self.model(buf.ids[:, None], cache=K3Cache(layers), validate=False).logits[:, -1].float()
-        tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, buf.top_p.float(), buf.seed,
-                                        buf.counter, greedy_only=greedy_only)
+        # the padding rows wrote into the scratch slots and the zero page: one reset of each per step, not a mask of
+        # the padding rows' writes per layer (docs/engine.md "Fast decode path")
+        self.slots.clear_scratch()
+        self.pool.mla[0].zero_()
+        top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast for it
+        tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, top_p, buf.seed, buf.counter,
+                                        greedy_only=greedy_only)
         finite = torch.isfinite(logits).all(-1)
-        return torch.stack([tokens.double(), logprobs.double(), finite.double()]), logits
+        # one op for the three rows, cast into float64 by the stack itself (exact: token ids < 2**53)
+        out = torch.empty(3, logits.shape[0], dtype=torch.float64, device=logits.device)
+        return torch.stack([tokens, logprobs, finite], out=out), logits
 
     def _capture(self, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
         """Warm up on a side stream (lazy inits, Triton autotuning), then capture one step. Both run on a cleared
-        buffer (padding rows only), so they write zeros into the scratch slot and the zero page and nothing else."""
+        buffer (padding rows only), so they write into the scratch slot and the zero page only (and zero them)."""
         buf.clear()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -228,7 +250,7 @@ class StaticDecoder:
 
         ints = torch.zeros(len(StepBuffers.INTS), B, dtype=torch.long)
         ints[:, :n] = torch.tensor([
-            tokens, slots, [1] * n, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
+            tokens, slots, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
             [s.length % ps for s in seqs], [p.top_k for p in params], seeds, counters])
         floats = torch.zeros(2, B, dtype=torch.float64)
         floats[:, :n] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],

@@ -29,6 +29,11 @@ Choices (the spec names the two sets but not every border case):
 Precision: parameters, gradients, momentum and AdamW moments stay in the parameter dtype (fp32
 masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and torch.optim.Muon do.
 
+Speed (issue #11): on plain tensors Muon's step is batched: one Newton-Schulz per block shape over every
+parameter and group (`batch_plan`, cut at MAX_BATCH_BYTES), momentum, decay and update as torch._foreach_*
+ops; `Muon(batched=False)` keeps the per-parameter step as the reference. AdamW takes torch's fused kernel
+when every parameter is a plain CUDA tensor (`adamw_fused`).
+
 Sharded parameters (FSDP2 DTensors, openk3/parallel/fsdp.py): Newton-Schulz needs each whole matrix
 (or whole head block / expert slice). Each such parameter is assigned to one rank (`owners_by_cost`:
 largest Newton-Schulz cost first, to the least-loaded rank), and `orthogonalize_sharded` moves the
@@ -54,6 +59,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
+# Cap of one batched Newton-Schulz's bf16 input (`batch_plan`). 512 MiB holds hundreds of matrices of the largest
+# Muon shapes (341 expert slices of [512, 1536]), enough that launches no longer matter (kimi-linear-1.5b: 232 Muon
+# tensors, 2287 matrices, 15 batches), while a batch's transient peak (about 5x the cap, 2.5 GiB) stays below what
+# the per-parameter step already held: every fp32 update at once, 5.6 GB for that model's 1.39e9 Muon parameters.
+# [inferred: counted, not measured on a GPU]
+MAX_BATCH_BYTES = 512 * 2**20
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,21 +136,35 @@ class Muon(torch.optim.Optimizer):
     0.2 sqrt(max(dh, C)): that keeps the update RMS at 0.2 in every block, as for whole matrices.
     The EMA form of momentum differs from Moonlight's mu buf + grad only by the factor (1 - mu),
     which orthogonalisation removes.
+
+    batched (default): plain (non-DTensor) parameters take `_step_batched`, one Newton-Schulz per block shape
+    (R, C) over every group, cut at max_batch_bytes of bf16 input (`batch_plan`, MAX_BATCH_BYTES); issue #11: the
+    per-parameter step spent 203 ms of an H200 step on kimi-linear-1.5b, in thousands of small launches.
+    batched=False is the per-parameter step, the reference the tests compare it with. DTensor parameters
+    (FSDP2, expert parallelism) always take the per-parameter path with its sharded Newton-Schulz.
     """
 
     def __init__(self, params, lr: float, weight_decay: float = 0.1, momentum: float = 0.95,
-                 head_dim: int | None = None):
+                 head_dim: int | None = None, batched: bool = True, max_batch_bytes: int = MAX_BATCH_BYTES):
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if max_batch_bytes <= 0:
+            raise ValueError(f"max_batch_bytes must be > 0, got {max_batch_bytes}")
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "head_dim": head_dim}
         super().__init__(params, defaults)
+        # not group keys: a batch mixes groups, and the state dict stays the per-parameter step's
+        self.batched, self.max_batch_bytes = batched, max_batch_bytes
         for group in self.param_groups:
             for p in group["params"]:
                 matrix_blocks(torch.empty(p.shape, device="meta"), group["head_dim"])  # shape check only (p may be sharded)
+
+    def __getstate__(self) -> dict:
+        # torch.optim pickles (and deep-copies) only defaults, state and param_groups
+        return {**super().__getstate__(), "batched": self.batched, "max_batch_bytes": self.max_batch_bytes}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -148,6 +173,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         todo = []  # (parameter, group, update): every update first, so the sharded ones travel together
+        plain = []  # (parameter, group): the plain tensors of a batched step
         for group in self.param_groups:
             momentum = group["momentum"]
             for p in group["params"]:
@@ -156,6 +182,9 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
+                if self.batched and not isinstance(p.grad, DTensor):
+                    plain.append((p, group))
+                    continue
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 todo.append((p, group, p.grad.lerp(buf, momentum)))
@@ -174,10 +203,90 @@ class Muon(torch.optim.Optimizer):
                                        shape=update.shape, stride=update.stride())  # shards may be uneven
             else:
                 o = orthogonalize(matrix_blocks(update, head_dim)).reshape(update.shape)
-            lr = group["lr"]
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(o, alpha=-lr * rms_match_scale(*block_shape(update.shape, head_dim)))
+            decay, alpha = step_factors(group, *block_shape(update.shape, head_dim))
+            p.mul_(decay)
+            p.add_(o, alpha=alpha)
+        self._step_batched(plain)
         return loss
+
+    def _step_batched(self, todo: list[tuple[Tensor, dict]]) -> None:
+        """The step of these plain-tensor parameters (the per-parameter one's arithmetic, bit for bit on the CPU),
+        batched: their matrix blocks grouped by shape and cut into batches by `batch_plan`; per batch, the momentum
+        and Nesterov update with `torch._foreach_*` written straight into one [B, R, C] tensor, ONE `orthogonalize`,
+        the result copied back into it (so a batch's transient memory is one fp32 copy plus Newton-Schulz's bf16
+        ones), then weight decay and the scaled update with `_foreach_mul_` / `_foreach_add_`.
+
+        A parameter whose blocks straddle two batches is updated through views of those blocks, each exactly once."""
+        grads = [matrix_blocks(p.grad, group["head_dim"]) for p, group in todo]
+        bufs = [matrix_blocks(self.state[p]["momentum_buffer"], group["head_dim"]) for p, group in todo]
+        params = [matrix_blocks(p, group["head_dim"]) for p, group in todo]
+        keys = [(tuple(g.shape[1:]), g.dtype, g.device) for g in grads]
+        for batch in batch_plan([(key, g.shape[0]) for key, g in zip(keys, grads)], self.max_batch_bytes):
+            rows, cols = keys[batch[0][0]][0]
+            x_BRC = grads[batch[0][0]].new_empty((sum(stop - start for _, start, stop in batch), rows, cols))
+            update = list(x_BRC.split([stop - start for _, start, stop in batch]))
+            grad, buf, param = ([t[i][start:stop] for i, start, stop in batch] for t in (grads, bufs, params))
+            groups = [todo[i][1] for i, _, _ in batch]
+            for momentum, js in _positions_by([g["momentum"] for g in groups]).items():
+                # the EMA and Nesterov of the per-parameter step: buf.lerp_(grad, 1 - mu); grad.lerp(buf, mu)
+                torch._foreach_lerp_(_pick(buf, js), _pick(grad, js), 1 - momentum)
+                torch._foreach_copy_(_pick(update, js), _pick(grad, js))
+                torch._foreach_lerp_(_pick(update, js), _pick(buf, js), momentum)
+            x_BRC.copy_(orthogonalize(x_BRC))
+            for (decay, alpha), js in _positions_by([step_factors(g, rows, cols) for g in groups]).items():
+                torch._foreach_mul_(_pick(param, js), decay)
+                torch._foreach_add_(_pick(param, js), _pick(update, js), alpha=alpha)
+
+
+def step_factors(group: dict, rows: int, cols: int) -> tuple[float, float]:
+    """(decay, alpha) of Muon's step p <- decay p + alpha O for a block of shape [rows, cols] in this param group:
+    decay = 1 - lr wd, alpha = -lr 0.2 sqrt(max(rows, cols)) (see `Muon`)."""
+    lr = group["lr"]
+    return 1 - lr * group["weight_decay"], -lr * rms_match_scale(rows, cols)
+
+
+def batch_plan(blocks: list[tuple[object, int]], max_batch_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Batches for one `orthogonalize` each. blocks[i] = (key, n): parameter i has n matrix blocks, key =
+    ((R, C), dtype, device) of one block. Returns the batches as lists of (i, start, stop), parameter i's blocks
+    [start, stop): each batch holds blocks of one key only, in parameter order, at most
+    max(1, max_batch_bytes // (2 R C)) of them (2: the bf16 bytes Newton-Schulz works in), so a group of one key
+    larger than that is cut into several batches, if need be inside a parameter.
+
+    NOTE: max_batch_bytes bounds the bf16 input of one Newton-Schulz; a batch's peak is about 5x that (its fp32
+    update 2x, Newton-Schulz's current and next bf16 iterate 2x, the Gram matrices), see MAX_BATCH_BYTES.
+    """
+    by_key: dict[object, list[tuple[int, int]]] = {}
+    for i, (key, n) in enumerate(blocks):
+        by_key.setdefault(key, []).append((i, n))
+    batches = []
+    for (shape, _, _), members in by_key.items():
+        cap = max(1, max_batch_bytes // (2 * shape[0] * shape[1]))
+        batch, size = [], 0
+        for i, n in members:
+            start = 0
+            while start < n:
+                stop = min(n, start + cap - size)
+                batch.append((i, start, stop))
+                size += stop - start
+                start = stop
+                if size == cap:
+                    batches.append(batch)
+                    batch, size = [], 0
+        if batch:
+            batches.append(batch)
+    return batches
+
+
+def _positions_by(values: list) -> dict[object, list[int]]:
+    """{value: the positions holding it}, in order of first appearance."""
+    positions: dict[object, list[int]] = {}
+    for j, v in enumerate(values):
+        positions.setdefault(v, []).append(j)
+    return positions
+
+
+def _pick(xs: list, js: list[int]) -> list:
+    return [xs[j] for j in js]
 
 
 def block_shape(shape: torch.Size, head_dim: int | None) -> tuple[int, int]:
@@ -404,12 +513,13 @@ def model_head_dims(config) -> dict[str, int]:
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     muon_momentum: float = 0.95, per_head: bool = True,
-                    head_dims: Mapping[str, int] | None = None) -> MuonAdamW:
+                    head_dims: Mapping[str, int] | None = None, muon_batched: bool = True) -> MuonAdamW:
     """Muon + AdamW over `model`'s trainable parameters, grouped as in the module docstring.
 
     head_dims: rows per head for each Per-Head Muon role present in the model, keys from
     PER_HEAD_ROLES, e.g. for K3 {"kda": 128, "mla_q": 192, "mla_kv": 256}. Needed when per_head.
-    Every group starts at lr (its "base_lr"); AdamW uses betas and eps.
+    Every group starts at lr (its "base_lr"); AdamW uses betas and eps, and torch's fused kernel where
+    `adamw_fused` says it applies. muon_batched: `Muon`'s batched step (False: the per-parameter reference).
     """
     groups = assign_param_groups(model, per_head)
     muon_groups, adamw_groups = [], []
@@ -426,9 +536,19 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1,
         else:
             decay = weight_decay if group_name == "adamw_decay" else 0.0
             adamw_groups.append({**group, "weight_decay": decay})
-    muon = Muon(muon_groups, lr=lr, momentum=muon_momentum) if muon_groups else None
-    adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps) if adamw_groups else None
+    muon = Muon(muon_groups, lr=lr, momentum=muon_momentum, batched=muon_batched) if muon_groups else None
+    adamw_params = [p for group in adamw_groups for _, p in group["params"]]
+    adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps,
+                              fused=True if adamw_fused(adamw_params) else None) if adamw_groups else None
     return MuonAdamW(muon, adamw)
+
+
+def adamw_fused(params: list[Tensor]) -> bool:
+    """Whether `build_optimizer`'s AdamW takes torch's fused kernel (one launch for all parameters): when every
+    parameter is a plain (non-DTensor) CUDA tensor. Otherwise torch's default stays: the for-loop on the CPU, where
+    the trainer's bit-exact resume tests were measured, and whatever torch picks for DTensors (FSDP2).
+    NOTE: a loaded optimizer state brings its own "fused" group setting, as torch.optim does."""
+    return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
 
 
 # --------------------------------------------------------------------------------------------

@@ -452,3 +452,29 @@ def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, monkeypatch):
         absorbed = cached_mla(mla, prefix, x, absorb=True)
     assert len(calls) == (1 if dtype == torch.bfloat16 and model_module.varlen_attn is not None else 0)
     assert rel_err(expanded, absorbed) < bound
+
+
+def test_routed_experts_compute_in_the_autocast_dtype(monkeypatch):
+    """fp32 parameters under bf16 autocast (the training recipe): the routed experts run in bf16 like a Linear would,
+    not as fp32 matmuls (autocast does not cover torch._grouped_mm), and agree with the fp32 result."""
+    import openk3.model.model as m
+    torch.manual_seed(0)
+    experts = m.Experts(4, 16, 24)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    z = torch.randn(10, 16)
+    idx = torch.randint(0, 4, (10, 2))
+    w = torch.rand(10, 2)
+    act = m.glu_activation(tiny())
+    seen = []
+    real = m.moe_experts
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.dtype)
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(m, "moe_experts", spy)
+    ref = experts(z, idx, w, act)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(z, idx, w, act)
+    assert seen == [torch.float32, torch.bfloat16] and out.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref) < 2e-2

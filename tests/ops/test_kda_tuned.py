@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 import openk3.ops.kda.tuned as tuned
 
 
@@ -45,3 +47,63 @@ def test_key_hash_matches_flas_serialisation():
     expect = hashlib.md5(json.dumps([64, 128, True, "torch.bfloat16"], separators=(",", ":"),
                                     sort_keys=True).encode()).hexdigest()
     assert tuned._key_hash(key) == expect
+
+
+class _Config:
+    def __init__(self, num_warps, num_stages, **kwargs):
+        self.num_warps, self.num_stages, self.kwargs = num_warps, num_stages, kwargs
+
+
+class _Tuner:
+    """What `limit_fla_autotuning` needs of a Triton autotuner."""
+
+    def __init__(self, configs, prune=None):
+        self.configs, self.early_config_prune = configs, prune
+        self.calls = 0
+
+    def _bench(self, *args, **kwargs):
+        self.calls += 1
+        raise RuntimeError("CUDA error: out of memory")
+
+
+class _Heuristics:  # @triton.heuristics wraps the autotuner; `.fn` leads to it
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _candidates():
+    """36 candidates, the first listed the largest (so the three picks are three different ones)."""
+    return [_Config(w, s, BT=bt) for w in (8, 4, 2, 1) for s in (4, 3, 2) for bt in (64, 32, 16)]
+
+
+def test_fla_kernels_autotune_over_three_candidates_unless_full(monkeypatch):
+    import types
+    fake = types.ModuleType("fla.fake_kernels")
+    fake.tuned = _Tuner(_candidates())
+    fake.wrapped = _Heuristics(_Tuner(_candidates()))
+    fake.pruned = _Tuner(_candidates(), prune=lambda configs, nargs: configs)  # prunes at run time: keeps all
+    fake.small = _Tuner(_candidates()[:2])
+    monkeypatch.setitem(sys.modules, "fla.fake_kernels", fake)
+    monkeypatch.setenv(tuned.AUTOTUNE_ENV, "full")
+    assert tuned.limit_fla_autotuning(()) == 0 and len(fake.tuned.configs) == 36
+    # full still guards launches; a second call (the default now) must not wrap again nor cut: marked as seen
+    assert fake.tuned._bench() == [float("inf")] * 3
+    monkeypatch.delenv(tuned.AUTOTUNE_ENV)
+    fake2 = types.ModuleType("fla.fake_kernels2")
+    fake2.tuned = _Tuner(_candidates())
+    fake2.wrapped = _Heuristics(_Tuner(_candidates()))
+    monkeypatch.setitem(sys.modules, "fla.fake_kernels2", fake2)
+    assert tuned.limit_fla_autotuning(()) == 2
+    picked = fake2.tuned.configs
+    assert len(picked) == 3 and len(fake2.wrapped.fn.configs) == 3
+    shapes = [(c.num_warps, c.num_stages, c.kwargs["BT"]) for c in picked]
+    # the first listed, the one nearest 4 warps / 2 stages (first such listed), the smallest
+    assert shapes == [(8, 4, 64), (4, 2, 64), (1, 2, 16)]
+    assert len(fake.pruned.configs) == 36 and len(fake.small.configs) == 2
+    assert tuned.limit_fla_autotuning(()) == 0  # idempotent
+
+
+def test_a_bad_autotune_setting_is_named(monkeypatch):
+    monkeypatch.setenv(tuned.AUTOTUNE_ENV, "7")
+    with pytest.raises(ValueError, match="OPENK3_FLA_AUTOTUNE='7'"):
+        tuned.autotune_candidates()

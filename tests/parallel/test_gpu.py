@@ -13,9 +13,7 @@ NOTE: NCCL refuses two ranks on one GPU, so a 2-process run needs 2 GPUs (`--npr
 
 import copy
 import importlib.util
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -102,16 +100,8 @@ def _cp(dev: torch.device) -> dict:
     return res
 
 
-def _fix_fla() -> None:
-    if importlib.util.find_spec("fla") is not None:  # three candidates a kernel, not minutes of autotuning
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-        from fla_fixed import fix_fla_configs
-        fix_fla_configs()
-
-
 def _worker(rank: int, world: int, out) -> None:
     init_nccl()
-    _fix_fla()
     dev = torch.device("cuda", 0)
     env = DistEnv(rank, world, 0, dev)
     res = {}
@@ -166,7 +156,6 @@ def _fla_cp_worker(rank: int, world: int, out) -> None:
     from openk3.parallel.context import kda_context_parallel_fla, kda_context_parallel_torch
 
     init_nccl()
-    _fix_fla()
     dev = torch.device("cuda", rank)
     layer, x, dy = cp_case.layer_and_inputs("kda", _fla_config())
     layer, x, dy = layer.to(dev, torch.bfloat16), x.to(dev, torch.bfloat16), dy.to(dev, torch.bfloat16)

@@ -4,8 +4,11 @@ CUDA-graph step against the eager one."""
 
 import random
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import (SamplingParams, batch_filtered_probs, counter_uniform, filtered_probs,
@@ -205,51 +208,102 @@ SYNCING_OPS = ("_local_scalar_dense", "nonzero", "bincount", "unique", "masked_s
                "repeat_interleave", "equal", "is_nonzero")
 
 
-@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
-@pytest.mark.parametrize("greedy_only", [True, False])
-def test_the_static_step_has_no_host_sync(family, greedy_only):
-    """Every aten op one static step runs (model forward + sampler), seen through a dispatch mode: none of them
-    syncs with the host, so the step can be captured as a CUDA graph; the step's only sync is its result copy."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class OpNames(TorchDispatchMode):
+    """The aten ops that run under it, by name. With `kernels`, only those that do work on the device: views and
+    the dtype bookkeeping below are left out (a `to` of a tensor already in that dtype never reaches the mode)."""
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
+    NO_WORK = ("_unsafe_view", "promote_types", "detach", "alias", "lift_fresh", "scalar_tensor")
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
+    def __init__(self, kernels: bool = False):
+        super().__init__()
+        self.kernels = kernels
+        self.names = []
 
-    model = small_model(family, seed=4)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if not self.kernels or not (func.is_view or name in self.NO_WORK):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def one_static_step(model, greedy_only: bool, kernels: bool = False) -> list[str]:
+    """The aten ops of one static decode step (model forward + sampler) of a batch-1 row after a 3-token prompt.
+    `kernels`: counted under no_grad, where composite ops (linear, to, rms_norm) are split into the ops that launch
+    kernels, views left out (`OpNames`); else under inference mode as the engine runs it.
+    NOTE: with `kernels` the step's buffers are built under no_grad too: a dispatch mode does not see a cast of an
+    inference tensor (e.g. the buffers' top_p) outside inference mode."""
     runner = ModelRunner(model, num_pages=50, page_size=4, slots=4)
-    with torch.inference_mode():
+    with torch.no_grad() if kernels else torch.inference_mode():
         seq = r_seq(runner, 12)
         states = runner.new_states()
         runner.forward([seq], states, [[3, 4, 5]])
         runner.join(states)
         runner.decode([seq], [6], [GREEDY], [0], [0])  # builds the bucket's buffers, filled with this row
-        (buf,) = runner.decoder.buffers.values()
-        with Ops() as ops:
-            runner.decoder._run(buf, greedy_only)
-    bad = sorted({n for n in ops.names if n in SYNCING_OPS})
+    (buf,) = runner.decoder.buffers.values()
+    with (torch.no_grad() if kernels else torch.inference_mode()), OpNames(kernels) as ops:
+        runner.decoder._run(buf, greedy_only)
+    return ops.names
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_the_static_step_has_no_host_sync(family, greedy_only):
+    """Every aten op one static step runs (model forward + sampler), seen through a dispatch mode: none of them
+    syncs with the host, so the step can be captured as a CUDA graph; the step's only sync is its result copy."""
+    names = one_static_step(small_model(family, seed=4), greedy_only)
+    bad = sorted({n for n in names if n in SYNCING_OPS})
     assert not bad, bad
-    assert len(ops.names) > 100  # the mode really saw the forward
-    assert ("sort" in ops.names) != greedy_only  # the sampled variant runs the top-k / top-p filter
+    assert len(names) > 100  # the mode really saw the forward
+    assert ("cumsum" in names) != greedy_only  # the sampled variant runs the top-p filter
+
+
+def kimi_linear_shaped_model() -> "K3ForCausalLM":
+    """kimi-linear-1.5b's layer structure (16 layers, 12 KDA : 4 MLA, a dense first layer, 15 MoE layers of 32
+    experts top-4 + a shared one) at width 64: the ops of its decode step are the H200 benchmark model's."""
+    from openk3.config import kimi_linear_1_5b
+    from openk3.model.model import K3ForCausalLM
+
+    config = kimi_linear_1_5b().replace(
+        vocab_size=256, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+        linear_attn_config={"num_heads": 2, "head_dim": 16})
+    torch.manual_seed(0)
+    return K3ForCausalLM(config).eval().cast(torch.bfloat16)
+
+
+# Ops (aten ops that do work, `OpNames`) of one greedy static decode step of `kimi_linear_shaped_model`, measured on
+# the CPU with torch 2.13 (docs/engine.md "Fast decode path" has the command): 2,122 before issue #12's cuts, 1,955
+# after. A regression bound: a change that adds ops to the decode step must say so here.
+DECODE_STEP_OPS = 1955
+
+
+def test_the_decode_step_does_not_grow():
+    names = one_static_step(kimi_linear_shaped_model(), greedy_only=True, kernels=True)
+    ops = collections.Counter(names)
+    assert len(names) <= DECODE_STEP_OPS, ops.most_common(20)
+    # the slot pool: one gather per kind for all 12 KDA layers, one write per layer and kind; the padding rows'
+    # writes undone by one reset per step of each scratch slot pool and of the zero page, not masked per layer
+    assert ops["index_select"] == 2 and ops["index_copy_"] == 2 * 12 and ops["zero_"] == 3 and ops["where"] == 0
+    assert ops["_to_copy"] <= 486
 
 
 @pytest.mark.slow
-def test_compiled_static_step_equals_the_general_decode_path():
-    """torch.compile of the step (dynamo's tracing with the eager backend here: Inductor's code generation would
-    take minutes on this CPU) traces it whole and keeps it equal to the general path, across recompiles for new
-    buckets."""
+def test_compiled_static_step_equals_the_eager_one():
+    """torch.compile of the step traces it whole (no graph break) and keeps it equal to the eager static step (so to
+    the general path, test above), across recompiles for new buckets. Backend aot_eager: dynamo's graph through
+    AOTAutograd's functionalization (the slot pools' in-place writes into views of one tensor included), run by
+    eager kernels; Inductor's code generation would take minutes on this CPU."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     # NOTE: bf16: torch.compile traces torch._grouped_mm (the MoE) in bf16 only (openk3/ops/moe.py)
     model = small_model("k3", seed=3).cast(torch.bfloat16)
-    runners = [ModelRunner(model, num_pages=200, page_size=4),
-               ModelRunner(model, num_pages=200, page_size=4, slots=8, compile="eager")]
-    ragged_decode(model, runners, steps=8)
+    runners = [ModelRunner(model, num_pages=200, page_size=4, slots=8),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8, compile="aot_eager")]
+    ragged_decode(model, runners, steps=8, tol=1e-9)
     assert runners[1].decoder.counters["static_steps"] == 8
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_nan_state_fails_only_its_request_on_the_fast_path():

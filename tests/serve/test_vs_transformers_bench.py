@@ -1,6 +1,6 @@
 """bench/vs_transformers_decode.py runs end to end on the CPU at test size and writes every part into its JSON; with
 transformers installed (the `bench` extra), on a Kimi-Linear config both engines load the same checkpoint and
-agree on the greedy tokens."""
+agree on the greedy tokens; the speculative part trains its target and draft and keeps fp32 greedy outputs equal."""
 
 import importlib.util
 import json
@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from vs_transformers_decode import main  # noqa: E402
 
 SMALL = ["--device", "cpu", "--quick", "--batch-sizes", "1", "3", "--prompt-len", "12", "--decode-tokens", "6",
-         "--prefill-lengths", "40", "--ttft-len", "80", "--page-size", "8", "--draft-k", "2"]
+         "--prefill-lengths", "40", "--ttft-len", "80", "--page-size", "8", "--draft-k", "2",
+         "--spec-train-steps", "2", "--spec-corpus-mb", "0.2"]
 
 
 def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
@@ -30,6 +31,31 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
     main(["--config", "tiny", "--skip-transformers", "--out", str(out), "--parts", "memory", *SMALL])
     again = json.loads(out.read_text())
     assert again["decode"] == data["decode"]  # a run of other parts keeps the earlier run's parts
+
+
+@pytest.mark.slow  # 25-40 s on 2 cores: two trainings of 40 steps
+def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp_path):
+    """--quick's speculative part on the CPU: both models train (their loss falls), the draft is a small model of its
+    own, and every greedy output with a draft, trained or early exit, equals the plain engine's in fp32."""
+    out = tmp_path / "r.json"
+    main(["--config", "tiny", "--device", "cpu", "--quick", "--skip-transformers", "--parts", "speculative",
+          "--draft-k", "2", "3", "--out", str(out)])
+    sp = json.loads(out.read_text())["speculative"]
+    for model in ("target", "draft"):
+        assert sp[f"{model}_steps"] == 40 and sp[f"{model}_train_seconds"] > 0
+        assert sp[f"{model}_train_loss"] < sp[f"{model}_first_loss"] - 0.5  # it learned something
+        assert 0 < sp[f"{model}_held_out_loss"] < sp[f"{model}_first_loss"]
+    assert 0 < sp["draft_params"] < sp["target_params"] / 4 and sp["prompts"] == 2
+    assert sp["baseline_tokens_per_s"] > 0 and sp["baseline_decode_path"] == "general"
+    for rows in (sp, sp["early_exit"]):
+        for k in (2, 3):
+            row = rows[f"k={k}"]
+            assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_s"] > 0 and row["speedup"] > 0
+            # one round drafts k tokens and keeps the accepted ones plus the target's own: counted apart, they agree
+            assert row["tokens_per_round"] == pytest.approx(1 + k * row["acceptance_rate"])
+            assert row["greedy_output_equal"], (rows["draft"], k)
+        # drafts both accepted and rejected: the rollback ran, and the outputs still equal the plain engine's
+        assert 0 < rows["k=2"]["acceptance_rate"] < 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers (the bench extra) is absent")

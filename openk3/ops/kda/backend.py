@@ -25,7 +25,7 @@ from torch import Tensor
 
 from openk3.ops.kda.chunk import chunk_kda_torch
 from openk3.ops.kda.naive import check_kda_inputs, naive_recurrent_kda
-from openk3.ops.kda.tuned import use_shipped_fla_configs
+from openk3.ops.kda.tuned import autotune_candidates, limit_fla_autotuning, use_shipped_fla_configs
 
 BACKEND_ENV = "OPENK3_KDA_BACKEND"
 FUSED_ENV = "OPENK3_KDA_FUSED"
@@ -48,13 +48,23 @@ class KDABackend:
         return f"KDA backend '{self.name}': {self.reason}"
 
 
+# NOTE: the backends chosen so far, looked up before `_select`: a compiled decode step (serve/static.py) calls
+# select_kda_backend in every KDA layer, and dynamo traces the body of a functools.cache'd function, whose CUDA branch
+# imports fla (a graph break per call); a plain dict lookup it traces to the constant object.
+_CHOSEN: dict[tuple, "KDABackend"] = {}
+
+
 def select_kda_backend(device: torch.device | str) -> KDABackend:
     """The KDA backend for `device`, honouring OPENK3_KDA_BACKEND; see the module docstring."""
     requested = os.environ.get(BACKEND_ENV, "").strip().lower() or None
     fused = os.environ.get(FUSED_ENV, "1").strip()
     if fused not in ("0", "1"):
         raise ValueError(f"{FUSED_ENV}={fused!r}: expected 0 or 1")
-    return _select(torch.device(device).type, requested, fused == "1")
+    key = (torch.device(device).type, requested, fused == "1")
+    backend = _CHOSEN.get(key)
+    if backend is None:
+        backend = _CHOSEN[key] = _select(*key)
+    return backend
 
 
 @functools.cache
@@ -69,6 +79,11 @@ def _select(device_type: str, requested: str | None, fused: bool) -> KDABackend:
     # before fla's first import (in _why_fla_cannot_run): fla reads where its configs are when it is imported
     tuning = _fla_tuning() if device_type == "cuda" and torch.cuda.is_available() else ""
     problem = _why_fla_cannot_run(device_type)
+    if problem is None and tuning:
+        limit_fla_autotuning()
+        keep = autotune_candidates()
+        tuning += (f"; other shapes autotune over at most {keep} candidates per kernel (OPENK3_FLA_AUTOTUNE=full: "
+                   f"all)" if keep else "; other shapes autotune over every candidate (OPENK3_FLA_AUTOTUNE=full)")
     if problem is None and fused and (missing := _missing_fused_arguments()):
         fused, tuning = False, f"{tuning}; fla's chunk_kda lacks {missing}: only chunk_kda runs in fla"
     if requested == "fla":
@@ -91,8 +106,7 @@ def _fla_tuning() -> str:
         return f"kernel configs shipped for {name} (no autotuning for known shapes)"
     if os.environ.get("FLA_CACHE_MODE"):
         return f"kernel configs from FLA_CONFIG_DIR={os.environ.get('FLA_CONFIG_DIR')!r}"
-    return (f"no shipped kernel configs for {name}: fla autotunes each kernel on first use (minutes on a fresh "
-            "machine; Triton caches the result)")
+    return f"no shipped kernel configs for {name}: fla autotunes each kernel on first use (Triton caches the result)"
 
 
 # chunk_kda's arguments that ops/kda/fused.py relies on (fla 0.6; A_log and dt_bias travel in its **kwargs)
