@@ -107,3 +107,18 @@ def test_a_bad_autotune_setting_is_named(monkeypatch):
     monkeypatch.setenv(tuned.AUTOTUNE_ENV, "7")
     with pytest.raises(ValueError, match="OPENK3_FLA_AUTOTUNE='7'"):
         tuned.autotune_candidates()
+
+
+def test_the_autotune_setting_is_checked_on_every_device(monkeypatch):
+    """A bad value is named by the backend choice on the CPU too (it used to be read only where fla runs, so a typo
+    passed silently off CUDA); an empty value is the default, as OPENK3_KDA_BACKEND's is."""
+    from openk3.ops.kda.backend import select_kda_backend
+
+    monkeypatch.setenv(tuned.AUTOTUNE_ENV, "ful")
+    with pytest.raises(ValueError, match="OPENK3_FLA_AUTOTUNE='ful'"):
+        select_kda_backend("cpu")
+    monkeypatch.setenv(tuned.AUTOTUNE_ENV, "")
+    assert tuned.autotune_candidates() == 3
+    assert select_kda_backend("cpu").name in ("torch", "naive")
+    monkeypatch.setenv(tuned.AUTOTUNE_ENV, " Full ")
+    assert tuned.autotune_candidates() is None

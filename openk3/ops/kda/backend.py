@@ -60,6 +60,9 @@ def select_kda_backend(device: torch.device | str) -> KDABackend:
     fused = os.environ.get(FUSED_ENV, "1").strip()
     if fused not in ("0", "1"):
         raise ValueError(f"{FUSED_ENV}={fused!r}: expected 0 or 1")
+    # checked here, on every device, not only where fla runs (inside `_select` on CUDA): a typo is named wherever it
+    # is made, and `_select` (cached) never half-runs its fla set-up before raising
+    autotune_candidates()
     key = (torch.device(device).type, requested, fused == "1")
     backend = _CHOSEN.get(key)
     if backend is None:

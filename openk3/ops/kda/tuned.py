@@ -116,8 +116,9 @@ def dump_fla_configs(out_dir: str | Path, triton_version: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ fewer candidates
 
 def autotune_candidates() -> int | None:
-    """How many candidate configs each fla kernel may autotune over: 3, or None (all) with OPENK3_FLA_AUTOTUNE=full."""
-    value = os.environ.get(AUTOTUNE_ENV, "3").strip().lower()
+    """How many candidate configs each fla kernel may autotune over: 3, or None (all) with OPENK3_FLA_AUTOTUNE=full.
+    Unset or empty is the default, as for openk3's other environment variables (ops/kda/backend.py)."""
+    value = os.environ.get(AUTOTUNE_ENV, "").strip().lower() or "3"
     if value == "full":
         return None
     if value != "3":
