@@ -234,8 +234,17 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_lerp_(_pick(update, js), _pick(buf, js), momentum)
             x_BRC.copy_(orthogonalize(x_BRC))
             for (decay, alpha), js in _positions_by([step_factors(g, rows, cols) for g in groups]).items():
-                torch._foreach_mul_(_pick(param, js), decay)
-                torch._foreach_add_(_pick(param, js), _pick(update, js), alpha=alpha)
+                ps = _pick(param, js)
+                # NOTE: torch 2.13's CPU _foreach_mul_ rounds a Python scalar to the tensors' dtype first: in bf16 a
+                # decay of 0.999 is 1.0 (none) and 0.998 is 0.99609 (twice the decay). Narrower parameters take the
+                # per-parameter step's mul_, which multiplies in fp32 opmath.
+                wide = [p for p in ps if p.dtype in (torch.float32, torch.float64)]
+                if wide:
+                    torch._foreach_mul_(wide, decay)
+                for p in ps:
+                    if p.dtype not in (torch.float32, torch.float64):
+                        p.mul_(decay)
+                torch._foreach_add_(ps, _pick(update, js), alpha=alpha)
 
 
 def step_factors(group: dict, rows: int, cols: int) -> tuple[float, float]:

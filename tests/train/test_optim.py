@@ -237,6 +237,29 @@ def test_batched_muon_step_equals_the_per_parameter_step():
     assert len(ref_calls) == 14 * 4 - 1
 
 
+def test_batched_muon_step_of_bf16_parameters_equals_the_per_parameter_step():
+    """bf16 parameters: the weight decay 1 - lr wd = 0.998 is applied as the per-parameter step's mul_ does, in fp32
+    opmath. NOTE: torch 2.13's CPU _foreach_mul_ rounds a Python scalar to the tensors' dtype first (0.998 -> 0.99609
+    in bf16, twice the decay), which the batched step did (measured here). Wide blocks only: for a tall block the
+    per-parameter step adds the transposed (non-contiguous) Newton-Schulz output, and torch's bf16 add_ rounds that
+    layout 1 ulp apart from a contiguous one, so there bit equality is not the per-parameter step's to give."""
+    def steps(batched: bool) -> tuple[list[nn.Parameter], Muon]:
+        g = torch.Generator().manual_seed(5)
+        params = [nn.Parameter(torch.randn(shape, generator=g).bfloat16()) for shape in [(8, 12), (3, 6, 10), (12, 24)]]
+        opt = Muon([{"params": params[:2]}, {"params": params[2:], "head_dim": 4, "lr": 0.04}], lr=0.02,
+                   weight_decay=0.1, batched=batched)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            opt.step()
+        return params, opt
+
+    (batched, opt), (reference, ref_opt) = steps(True), steps(False)
+    for i, (p, q) in enumerate(zip(batched, reference)):
+        assert torch.equal(p, q), i
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]), i
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_batched_muon_step_on_cuda_is_the_per_parameter_step():
