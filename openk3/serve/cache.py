@@ -89,7 +89,8 @@ class PagePool:
     As MLA storage the pool reads [num_pages, n_mla_layers, page_size, kv_lora + rope] in the model's dtype, so one
     page holds `page_size` tokens of every MLA layer. As checkpoint storage the same bytes read [num_pages, F] fp32;
     a KDA checkpoint (every KDA layer's recurrent state and conv tail) fills `checkpoint_pages` pages.
-    Page 0 is never handed out: it stays zero and pads page tables (see `PagedLayout`).
+    Page 0 is never handed out: it is zero between forwards and pads page tables (see `PagedLayout`); the static
+    decode step's padding rows write into it and zero it again after their forward (serve/static.py `StaticMLA`).
 
     Accounting: `refs[p]` counts the holders of page p (page tables, prefix-cache entries); at 0 it returns to the
     free list. `reserved` pages are promised to running sequences (their worst case), so a running sequence never

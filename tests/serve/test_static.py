@@ -84,8 +84,8 @@ def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
     for r in (r for r in runners if r.slots is not None):  # running rows hold their slots, the others are free
         total = len(r.slots.recurrent[0]) - 1 if r.slots.recurrent else 0
         assert len(r.rows) == len(live) and sorted(r.slots.free + r.rows) == list(range(1, total + 1))
-        for rec in r.slots.recurrent:  # the scratch slot of the padding rows stayed the zero state
-            assert rec[0].abs().max() == 0
+        for rec, conv in zip(r.slots.recurrent, r.slots.conv):  # the padding rows' scratch slot: the zero state
+            assert rec[0].abs().max() == 0 and conv[0].abs().max() == 0
         assert r.pool.storage[0].abs().max() == 0  # and so did the zero page
     return sizes
 
