@@ -17,7 +17,7 @@ import torch
 from openk3.config import K3Config
 from openk3.model import K3Cache, K3ForCausalLM, KimiDeltaAttention
 import openk3.model.model as model_module
-from openk3.ops.kda.backend import BACKEND_ENV, FUSED_ENV, _select
+from openk3.ops.kda.backend import BACKEND_ENV, FUSED_ENV, forget_kda_backends
 from tests.helpers import rel_err, rel_norm_err
 
 pytestmark = [
@@ -67,7 +67,7 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, fused, 
     """fused=1: the KDA layer's conv, gate and output norm in fla's kernels too (ops/kda/fused.py); 0: only
     chunk_kda from fla. The torch side is always the reference chain."""
     monkeypatch.setenv(FUSED_ENV, fused)
-    _select.cache_clear()
+    forget_kda_backends()
     if not recompute:
         monkeypatch.setattr(model_module, "recomputed", lambda fn, *args: fn(*args))
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, fused, 
     cu = torch.tensor([0, 100, 512, 575, 1024, 1536, 1600, 2048]).cuda() if packed else None
     loss_fla, g_fla = one_step(model, "fla", ids, labels, cu, autocast, monkeypatch)
     loss_ref, g_ref = one_step(model, "torch", ids, labels, cu, autocast, monkeypatch)
-    _select.cache_clear()
+    forget_kda_backends()
     errors = {n: rel_norm_err(g_fla[n], g_ref[n]) for n in g_ref}
     assert set(g_fla) == set(g_ref)
     report = {"case": dict(gate=gate, autocast=autocast, packed=packed, recompute=recompute, fused=fused),
@@ -124,15 +124,15 @@ def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatc
     monkeypatch.setattr(KimiDeltaAttention, "forward_fused",
                         lambda self, x, cu, state=None: calls.append(state is not None) or real(self, x, cu, state))
     monkeypatch.setenv(FUSED_ENV, "1")
-    _select.cache_clear()
+    forget_kda_backends()
     with torch.no_grad():
         full = model(ids).logits
     fused, cache = cached_prefill(model, ids, bounds, dtype)
     assert calls == [False] * 2 + [True] * 6, calls  # 2 KDA layers: uncached, then 3 chunks with a state
     monkeypatch.setenv(FUSED_ENV, "0")
-    _select.cache_clear()
+    forget_kda_backends()
     reference, ref_cache = cached_prefill(model, ids, bounds, dtype)
-    _select.cache_clear()
+    forget_kda_backends()
     errors = {"logits_vs_uncached": rel_norm_err(fused, full), "logits_vs_reference": rel_norm_err(fused, reference),
               "logits_max_vs_uncached": rel_err(fused, full)}
     for i, (a, b) in enumerate(zip(cache.layers, ref_cache.layers)):

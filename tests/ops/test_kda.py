@@ -280,3 +280,21 @@ def test_fused_path_only_with_an_fla_that_names_the_in_kernel_gate(monkeypatch, 
     assert backend.name == "fla" and backend.fused == has_gate_args
     assert has_gate_args or all(a in backend.reason for a in FUSED_ARGUMENTS)
     assert off.name == "fla" and not off.fused
+
+
+def test_forget_kda_backends_chooses_again(monkeypatch):
+    """select_kda_backend keeps its choices in a plain dict in front of the cached _select (for dynamo), so a choice
+    stays until forget_kda_backends clears both (clearing _select's cache alone would leave it in the dict)."""
+    import openk3.ops.kda.backend as backend_module
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    backend_module.forget_kda_backends()
+    try:
+        monkeypatch.setattr(backend_module, "_why_fla_cannot_run", lambda device_type: "reason one")
+        assert backend_module.select_kda_backend("cpu").reason.startswith("reason one")
+        monkeypatch.setattr(backend_module, "_why_fla_cannot_run", lambda device_type: "reason two")
+        assert backend_module.select_kda_backend("cpu").reason.startswith("reason one")  # still the first choice
+        backend_module.forget_kda_backends()
+        assert backend_module.select_kda_backend("cpu").reason.startswith("reason two")
+    finally:
+        backend_module.forget_kda_backends()

@@ -70,6 +70,13 @@ def select_kda_backend(device: torch.device | str) -> KDABackend:
     return backend
 
 
+def forget_kda_backends() -> None:
+    """Choose again on the next `select_kda_backend` (tests that change what `_select` sees: its cache and `_CHOSEN`
+    both; clearing `_select`'s cache alone would leave the old choice in `_CHOSEN`)."""
+    _CHOSEN.clear()
+    _select.cache_clear()
+
+
 @functools.cache
 def _select(device_type: str, requested: str | None, fused: bool) -> KDABackend:
     if requested is not None and requested not in BACKEND_NAMES:
