@@ -482,15 +482,21 @@ class Experts(nn.Module):
     def forward(self, z: Tensor, idx: Tensor, w: Tensor, act, weight_fn=None) -> Tensor:
         """sum_k w[t, k] E_idx[t, k](z_t) [T, De] (openk3.ops.moe_experts). parallel/expert.py swaps this forward
         for the expert-parallel one."""
-        # NOTE: autocast does not cover torch._grouped_mm, so do what it does for a Linear: compute in its dtype. Without
-        # this, a model of fp32 parameters under bf16 autocast (the training recipe) ran its routed experts as fp32
-        # matmuls, one per expert (the H200 profile of kimi-linear-1.5b: ~4,600 fp32 GEMMs, ~45% of a step).
-        if torch.is_autocast_enabled(z.device.type):
-            z = z.to(torch.get_autocast_dtype(z.device.type))
+        z = self.autocast_input(z)
         weights = [p.to(z.dtype) for p in (self.w1, self.w2, self.w3)]
         if weight_fn is fake_quant_mxfp4 and self.on_mxfp4_grid(weights):
             weight_fn = None
         return moe_experts(z, idx, w.to(z.dtype), *weights, act, weight_fn=weight_fn)
+
+    @staticmethod
+    def autocast_input(z: Tensor) -> Tensor:
+        """z in the autocast dtype when autocast is on (the expert weights are then cast to it too).
+        NOTE: autocast does not cover torch._grouped_mm, so this does what it does for a Linear. Without it, a model of
+        fp32 parameters under bf16 autocast (the training recipe) ran its routed experts as fp32 matmuls, one per
+        expert (the H200 profile of kimi-linear-1.5b: ~4,200 fp32 GEMM kernels a step, nearly half of it)."""
+        if torch.is_autocast_enabled(z.device.type):
+            return z.to(torch.get_autocast_dtype(z.device.type))
+        return z
 
     def on_mxfp4_grid(self, weights: list[Tensor]) -> bool:
         """Outside autograd: whether the expert weights are already MXFP4 values (a model loaded from an MXFP4

@@ -235,6 +235,7 @@ class ExpertParallelExperts(Experts):
     plan: str
 
     def forward(self, z: Tensor, idx: Tensor, w: Tensor, act, weight_fn=None) -> Tensor:
+        z = self.autocast_input(z)  # as Experts.forward: the recipe's fp32 experts compute in bf16 under autocast
         w1, w2, w3 = (p.to_local().to(z.dtype) for p in (self.w1, self.w2, self.w3))
         return ep_moe_experts(z, idx, w.to(z.dtype), w1, w2, w3, act, weight_fn, group=self.ep_group, plan=self.plan)
 
