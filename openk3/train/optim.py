@@ -139,7 +139,8 @@ class Muon(torch.optim.Optimizer):
 
     batched (default): plain (non-DTensor) parameters take `_step_batched`, one Newton-Schulz per block shape
     (R, C) over every group, cut at max_batch_bytes of bf16 input (`batch_plan`, MAX_BATCH_BYTES); issue #11: the
-    per-parameter step spent 203-229 ms of an H200 step on kimi-linear-1.5b, in thousands of small launches (81 ms batched).
+    per-parameter step spent 203-229 ms of an H200 step on kimi-linear-1.5b, in thousands of small launches (the
+    batched one 81 ms).
     batched=False is the per-parameter step, the reference the tests compare it with. DTensor parameters
     (FSDP2, expert parallelism) always take the per-parameter path with its sharded Newton-Schulz.
     """
