@@ -122,3 +122,21 @@ def test_the_autotune_setting_is_checked_on_every_device(monkeypatch):
     assert select_kda_backend("cpu").name in ("torch", "naive")
     monkeypatch.setenv(tuned.AUTOTUNE_ENV, " Full ")
     assert tuned.autotune_candidates() is None
+
+
+def test_dump_writes_the_configs_tuned_in_this_process(tmp_path, monkeypatch):
+    import json
+    import types
+    fake = types.ModuleType("fla.fake_dumped")
+    tuned_one = _Tuner(_candidates())
+    tuned_one.kernel_name, tuned_one.cache = "chunk_fake_kernel", {(128, "torch.bfloat16"): _Config(4, 2, BT=64)}
+    untouched = _Tuner(_candidates())
+    untouched.kernel_name, untouched.cache = "never_ran_kernel", {}
+    fake.tuned, fake.wrapped_untouched = tuned_one, _Heuristics(untouched)
+    monkeypatch.setitem(sys.modules, "fla.fake_dumped", fake)
+    assert tuned.dump_fla_configs(tmp_path, "3.6.0") == ["chunk_fake_kernel"]
+    data = json.loads((tmp_path / "chunk_fake_kernel.json").read_text())
+    entry = data["autotune_entries"][tuned._key_hash((128, "torch.bfloat16"))]
+    assert entry["autotune_key"] == [128, "torch.bfloat16"]
+    assert entry["config"]["kwargs"] == {"BT": 64} and entry["config"]["num_warps"] == 4
+    assert data["default_config"] == entry["config"]

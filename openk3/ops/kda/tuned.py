@@ -78,20 +78,8 @@ def _config_dict(cfg) -> dict:
 def _autotuners() -> dict[str, object]:
     """Every fla kernel autotuner (fla's `CachedAutotuner`, which reads config files) that has tuned something in
     this process, by kernel name."""
-    found = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("fla.") or module is None:
-            continue
-        for obj in list(vars(module).values()):
-            for _ in range(4):  # @triton.heuristics wraps the autotuner: walk `.fn` down to it
-                if hasattr(obj, "kernel_name") and isinstance(getattr(obj, "cache", None), dict):
-                    if obj.cache:
-                        found[obj.kernel_name] = obj
-                    break
-                obj = getattr(obj, "fn", None)
-                if obj is None:
-                    break
-    return found
+    return {t.kernel_name: t for t in _every_autotuner()
+            if hasattr(t, "kernel_name") and isinstance(getattr(t, "cache", None), dict) and t.cache}
 
 
 def dump_fla_configs(out_dir: str | Path, triton_version: str) -> list[str]:
