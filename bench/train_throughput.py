@@ -63,25 +63,16 @@ def run_backend(name: str, config, args) -> dict:
     cu = torch.arange(0, B * T + 1, T // 4, device=device)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "step": []}
 
-    def step() -> tuple[float, ...]:
+    def step() -> tuple[float, tuple[float, ...]]:
         ids = torch.randint(0, config.vocab_size, (B, T), device=device)
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            loss = model(ids, labels=ids.roll(-1, 1), cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
-        sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        sync(device)
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        sync(device)
-        t3 = time.perf_counter()
-        return loss.item(), t1 - t0, t2 - t1, t3 - t2, t3 - t0
+
+        def forward_loss():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                return model(ids, labels=ids.roll(-1, 1), cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
+        return timed_step(forward_loss, opt, device)
 
     for i in range(args.warmup + args.steps):
-        loss, *dts = step()
+        loss, dts = step()
         print(f"  [{name}] step {i} {dts[-1] * 1e3:.0f} ms (forward {dts[0] * 1e3:.0f}, backward {dts[1] * 1e3:.0f}, "
               f"optimizer {dts[2] * 1e3:.0f}) loss {loss:.3f}", flush=True)
         if i >= args.warmup:
@@ -111,6 +102,23 @@ def run_backend(name: str, config, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return res
+
+
+def timed_step(forward_loss, opt, device) -> tuple[float, tuple[float, float, float, float]]:
+    """One training step, synchronised around each phase: (loss, (forward, backward, optimizer, whole) seconds)."""
+    sync(device)
+    t0 = time.perf_counter()
+    loss = forward_loss()
+    sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    sync(device)
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(device)
+    t3 = time.perf_counter()
+    return loss.item(), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)
 
 
 def main() -> None:

@@ -32,13 +32,12 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_throughput import PEAK_BF16, flops_per_token, sync  # noqa: E402
+from train_throughput import PEAK_BF16, flops_per_token, timed_step  # noqa: E402
 
 from openk3.config import _MXFP4, get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
@@ -80,19 +79,7 @@ def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -
     first = None
 
     def step():
-        sync(CUDA)
-        t0 = time.perf_counter()
-        loss = forward_loss()
-        sync(CUDA)
-        t1 = time.perf_counter()
-        loss.backward()
-        sync(CUDA)
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(CUDA)
-        t3 = time.perf_counter()
-        return loss.item(), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)
+        return timed_step(forward_loss, opt, CUDA)
 
     for i in range(args.warmup + args.steps):
         loss, dts = step()
