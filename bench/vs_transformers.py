@@ -100,17 +100,21 @@ def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -
 
 
 def profile_step(step, path: Path) -> list[dict]:
-    """One more step under torch.profiler: the 40 ops with the most device time (self), as a table and rows."""
+    """One more step under torch.profiler: the 40 ops with the most device time (self), as a table and rows. The
+    table's first line counts the kernels run and their device time in all."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
     events = prof.key_averages()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(events.table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
 
     def dev_us(e):
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
     total = sum(dev_us(e) for e in events)
+    kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{kernels} kernels, {total / 1e3:.2f} ms of device time\n"
+                    + events.table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
     rows = sorted(events, key=dev_us, reverse=True)[:40]
     return [{"op": e.key, "self_device_ms": dev_us(e) / 1e3, "share": dev_us(e) / max(total, 1), "calls": e.count}
             for e in rows]

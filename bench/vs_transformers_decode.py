@@ -204,22 +204,25 @@ def part_decode(model, hf, args, rng) -> dict:
 
 def part_profile(model, args, rng) -> dict:
     """Where a decode step's device time goes: `--profile-tokens` greedy tokens at each batch size under
-    torch.profiler, CUDA graphs off (a graph's replay hides which op launched which kernel; the kernels' own times
-    are the same), the top ops by self device time as tables beside the JSON and as rows in it."""
+    torch.profiler, the top ops by self device time as tables beside the JSON and as rows in it. CUDA graphs are off
+    by default (a graph's replay hides which op launched which kernel); with `--profile-graphs` the step runs as the
+    engine runs it (graphs, and `--compile-decode`'s fused kernels), listed by kernel name."""
     from bench.vs_transformers import profile_step
     out = {}
     V, T = model.config.vocab_size, args.profile_tokens
-    engine = engine_for(model, args, max(args.batch_sizes), prefix_cache=False, cuda_graphs=False)
+    graphs = None if args.profile_graphs else False
+    engine = engine_for(model, args, max(args.batch_sizes), prefix_cache=False, cuda_graphs=graphs)
+    kind = ("graphs" if args.profile_graphs else "eager") + ("_compiled" if args.compile_decode else "")
     for B in args.batch_sizes:
         prompts = random_prompts(B, args.prompt_len, V, rng)
         timed_engine_run(engine, prompts, T, args.device)  # warm-up
         prefill_only, _ = timed_engine_run(engine, prompts, 1, args.device)
         seconds, _ = timed_engine_run(engine, prompts, T, args.device)
         rows = profile_step(lambda: timed_engine_run(engine, prompts, T, args.device),
-                            args.out.parent / "vs_transformers_decode_profiles" / f"batch{B}.txt")
+                            args.out.parent / "vs_transformers_decode_profiles" / f"batch{B}_{kind}.txt")
         step_ms = 1e3 * (seconds - prefill_only) / (T - 1)
-        out[str(B)] = {"decode_step_ms_eager": step_ms, "tokens": T, "top_ops": rows}
-        print(f"  batch {B:3d}: eager decode step {step_ms:.2f} ms; top ops: " +
+        out[str(B)] = {"decode_path": engine.decode_path, "decode_step_ms": step_ms, "tokens": T, "top_ops": rows}
+        print(f"  batch {B:3d}: {kind} decode step {step_ms:.2f} ms; top ops: " +
               ", ".join(f"{r['op'][:40]} {r['share']:.0%}" for r in rows[:5]), flush=True)
     return out
 
@@ -568,6 +571,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-prompts", type=int, default=None,
                    help="held-out prompts decoded one after another at batch 1 [4; quick: 2]")
     p.add_argument("--profile-tokens", type=int, default=16, help="greedy tokens per profiled run (part profile)")
+    p.add_argument("--profile-graphs", action="store_true",
+                   help="part profile: profile the step as the engine runs it (CUDA graphs on) [graphs off]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the fast path's decode step")
     p.add_argument("--decode-path", choices=("auto", "fast", "general"), default="auto",
