@@ -96,17 +96,21 @@ class DistillArgs:
     resume: bool = False
 
 
-def evaluate(engine, tokenizer, tasks_by_domain: dict, effort: str, domain: str, limits: RolloutLimits,
-             seed: int) -> dict:
-    """Success rate, mean reasoning tokens and truncated fraction of one policy on held-out tasks (sampled at
-    temperature 1 with fixed seeds, so every model sees the same prompts and seeds)."""
-    tasks = tasks_by_domain[domain]
-    trajs = [start_trajectory(t, effort, tokenizer, seed=_seed(seed, "eval", i)) for i, t in enumerate(tasks)]
-    advance(engine, tokenizer, trajs, 0, limits)
-    n = len(trajs)
-    return {"success": sum(t.success for t in trajs) / n,
-            "reasoning_tokens": sum(t.reasoning_tokens for t in trajs) / n,
-            "truncated": sum(t.truncated for t in trajs) / n, "n": n}
+def evaluate(engine, tokenizer, tasks_by_domain: dict, combos: list[tuple[str, str]], limits: RolloutLimits,
+             seed: int) -> dict[str, dict]:
+    """Success rate, mean reasoning tokens and truncated fraction of one policy on held-out tasks, per
+    "<domain>-<effort>" of `combos` (sampled at temperature 1 with fixed seeds, so every model sees the same prompts
+    and seeds). All the combos' rollouts advance together: one batch of rounds, not one after another (the report
+    rates the SFT start and the student on all nine combos)."""
+    runs = {}
+    for domain, effort in combos:
+        runs[f"{domain}-{effort}"] = [start_trajectory(t, effort, tokenizer, seed=_seed(seed, "eval", i))
+                                      for i, t in enumerate(tasks_by_domain[domain])]
+    advance(engine, tokenizer, [t for trajs in runs.values() for t in trajs], 0, limits)
+    return {name: {"success": sum(t.success for t in trajs) / len(trajs),
+                   "reasoning_tokens": sum(t.reasoning_tokens for t in trajs) / len(trajs),
+                   "truncated": sum(t.truncated for t in trajs) / len(trajs), "n": len(trajs)}
+            for name, trajs in runs.items()}
 
 
 def distill(args: DistillArgs) -> dict:
@@ -128,7 +132,9 @@ def distill(args: DistillArgs) -> dict:
                                       max_batch=max(args.eval_prompts, 1))
     initial = copy.deepcopy(student).eval().requires_grad_(False)
     n_rollouts = len(COMBOS) * args.prompts * args.samples
-    engine = make_engine(copy.deepcopy(student).eval(), args.max_total_tokens, max_batch=n_rollouts)
+    # room for the training rollouts and for the report's rollouts of all nine combos at once
+    engine = make_engine(copy.deepcopy(student).eval(), args.max_total_tokens,
+                         max_batch=max(n_rollouts, len(COMBOS) * args.eval_prompts))
     student.train()
     opt = build_optimizer(student, lr=args.lr, weight_decay=0.0, head_dims=model_head_dims(student.config))
     rng = random.Random(args.seed)
@@ -196,13 +202,15 @@ def make_report(args: DistillArgs, run_dir: Path, tokenizer, initial, student_en
     """Every teacher on its own domain and effort, the starting student (SFT) and the distilled student on all."""
     rng = random.Random(args.seed + 1_000_003)  # held out: not the training stream's tasks
     tasks = {d: [make_task(d, rng) for _ in range(args.eval_prompts)] for d in DOMAINS}
-    sft_engine = make_engine(initial, args.max_total_tokens, max_batch=args.eval_prompts)
+    # the SFT start and the student on all nine combos at once (a batch of 9 x eval_prompts), each teacher on its own
+    sft_engine = make_engine(initial, args.max_total_tokens, max_batch=len(COMBOS) * args.eval_prompts)
+    sft = evaluate(sft_engine, tokenizer, tasks, COMBOS, limits, args.seed)
+    student = evaluate(student_engine, tokenizer, tasks, COMBOS, limits, args.seed)
     results = {}
     for d, e in COMBOS:
-        results[f"{d}-{e}"] = {
-            "sft": evaluate(sft_engine, tokenizer, tasks, e, d, limits, args.seed),
-            "teacher": evaluate(teachers[(d, e)], tokenizer, tasks, e, d, limits, args.seed),
-            "student": evaluate(student_engine, tokenizer, tasks, e, d, limits, args.seed)}
+        name = f"{d}-{e}"
+        results[name] = {"sft": sft[name], "student": student[name],
+                         "teacher": evaluate(teachers[(d, e)], tokenizer, tasks, [(d, e)], limits, args.seed)[name]}
     report = {"eval_prompts": args.eval_prompts, "results": results}
     write_json(run_dir / "report.json", report)
     write_text_atomic(run_dir / "report.md", report_table(report))
