@@ -42,9 +42,11 @@ def new_kda_states(config: K3Config, batch: int, device, dtype: torch.dtype) -> 
     return [KDAState.zeros(config, batch, device, dtype) for kind in config.layer_types if kind == "kda"]
 
 
-def cat_kda_states(a: list[KDAState], b: list[KDAState]) -> list[KDAState]:
-    """Rows of `b` appended after the rows of `a`, layer by layer (a request joining the decode batch)."""
-    return [KDAState(torch.cat([x.recurrent, y.recurrent]), torch.cat([x.conv, y.conv])) for x, y in zip(a, b)]
+def cat_kda_states(*parts: list[KDAState]) -> list[KDAState]:
+    """The rows of every part one after another, layer by layer (a request joining the decode batch; requests
+    prefilled together)."""
+    return [KDAState(torch.cat([s.recurrent for s in layer]), torch.cat([s.conv for s in layer]))
+            for layer in zip(*parts)]
 
 
 def select_kda_rows(states: list[KDAState], rows: list[int]) -> list[KDAState]:

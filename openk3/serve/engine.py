@@ -42,7 +42,7 @@ from torch import Tensor
 
 from openk3.model.checkpoint import load_for_inference
 from openk3.model.model import K3ForCausalLM
-from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath
+from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states, select_kda_rows
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
 from openk3.serve.static import capture_problem
@@ -197,7 +197,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # the decode batch; row b of the runners' batch states is running[b]
-        self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
+        self.counters = dict(steps=0, prefill_tokens=0, prefill_forwards=0, decode_tokens=0, prefill_seconds=0.0,
+                             decode_seconds=0.0,
                              spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0, images_encoded=0)
 
     # ---- the API a server uses
@@ -414,15 +415,40 @@ class Engine:
             self.counters["images_encoded"] += len(req.images)
         return [req.vision[a:b]]
 
+    def _chunk_end(self, req: Request, budget: int) -> int:
+        """Where this step's prefill chunk of `req` ends: at most `budget` tokens on, and never past the next KDA
+        checkpoint boundary (the state exists only there)."""
+        ci = self.cfg.checkpoint_interval if self.prefix is not None else None
+        n, start = len(req.prompt), req.seq.length
+        end = min(n, start + budget)
+        if ci is not None and (start // ci + 1) * ci < end:
+            end = (start // ci + 1) * ci
+        return end
+
+    def _prefill_group(self, budget: int) -> list[Request]:
+        """The requests at the head of the prefill queue that run as one forward: the first, and after it every next
+        one whose chunk has the same length while the budget lasts (one forward of [G, T] instead of G forwards of
+        [1, T]: equal-length prompts, long prompts in chunks of `prefill_chunk`). A request with images runs alone."""
+        head = self.prefilling[0]
+        T = self._chunk_end(head, budget) - head.seq.length
+        group = [head]
+        if head.images:
+            return group
+        for req in self.prefilling[1:]:
+            if (budget - len(group) * T < T or req.images
+                    or self._chunk_end(req, budget - len(group) * T) - req.seq.length != T):
+                break
+            group.append(req)
+        return group
+
     def _prefill(self, outputs: list[StepOutput]) -> None:
         budget = self.cfg.prefill_chunk
         ci = self.cfg.checkpoint_interval if self.prefix is not None else None
         while self.prefilling and budget > 0:
-            req = self.prefilling[0]
-            n, start = len(req.prompt), req.seq.length
-            end = min(n, start + budget)
-            if ci is not None and (start // ci + 1) * ci < end:
-                end = (start // ci + 1) * ci  # stop at the checkpoint boundary: the state exists only there
+            group = self._prefill_group(budget)
+            req = group[0]
+            start = req.seq.length
+            end = self._chunk_end(req, budget)
             try:
                 slots = self._image_slots(req, start, end)
             except torch.OutOfMemoryError:
@@ -435,40 +461,57 @@ class Engine:
                     torch.cuda.empty_cache()
                 continue
             images = {} if slots is None else {"image_features": slots}  # (a text request calls _forward as before)
-            logits = self._forward(self.model, self.pool, [req.seq], req.kda, [req.prompt[start:end]],
-                                   logits_to_keep=1, **images)
-            if not all(self._finite(logits[:, -1], [req], outputs)):  # before its states reach the prefix cache
-                self.prefilling.pop(0)
-                continue
-            budget -= end - start
-            self.counters["prefill_tokens"] += end - start
-            if self.prefix is not None:
-                if ci is not None and end % ci == 0 and end < n:
-                    self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
-                else:
-                    self.prefix.publish_blocks(req.prefix, cache_key(req), end, req.seq)
-            if end < n:
-                continue
-            self.prefilling.pop(0)
-            req.images = req.vision = None  # every slot is in the latents and states now: free the pixels and vectors
-            if self.draft is not None:  # the draft has no prefix cache: it reads the whole prompt
-                for s in range(0, n, self.cfg.prefill_chunk):
-                    self._forward(self.draft, self.draft_pool, [req.draft_seq], req.draft_kda,
-                                  [req.prompt[s:s + self.cfg.prefill_chunk]], logits_to_keep=1)
-            if self.prefix is not None:  # always a checkpoint at the end of a prompt
+            T = end - start
+            # one forward for the group: its rows' KDA states side by side, split back to each request after
+            states = req.kda if len(group) == 1 else cat_kda_states(*(r.kda for r in group))
+            logits = self._forward(self.model, self.pool, [r.seq for r in group], states,
+                                   [r.prompt[r.seq.length:r.seq.length + T] for r in group], logits_to_keep=1,
+                                   **images)
+            if len(group) > 1:
+                for b, r in enumerate(group):
+                    r.kda = select_kda_rows(states, [b])
+            finite = self._finite(logits[:, -1], group, outputs)  # before their states reach the prefix cache
+            budget -= T * len(group)
+            self.counters["prefill_tokens"] += T * len(group)
+            self.counters["prefill_forwards"] += 1
+            done = {id(r) for r, ok in zip(group, finite) if not ok}
+            for b, (req, ok) in enumerate(zip(group, finite)):
+                if ok and self._prefilled(req, logits[b, -1], ci, outputs):
+                    done.add(id(req))
+            self.prefilling = [r for r in self.prefilling if id(r) not in done]
+
+    def _prefilled(self, req: Request, logits_V: Tensor, ci: int | None, outputs: list[StepOutput]) -> bool:
+        """After a prefill chunk of `req` (its last logits `logits_V`): publish it to the prefix cache, and if it was
+        the prompt's last chunk, sample the first token and move the request to the decode batch (or end it).
+        -> whether the request's prefill is over."""
+        n, end = len(req.prompt), req.seq.length
+        if self.prefix is not None:
+            if ci is not None and end % ci == 0 and end < n:
                 self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
-            token = sample_tokens(logits[:, -1], [req])[0]
-            logprob = float(torch.log_softmax(logits[0, -1], -1)[token])
-            self._emit(req, [token], [logprob], outputs)
-            if req.finished:
-                self._end(req, req.finish_reason, outputs, states=req.kda, row=0, emitted=True)
-                continue
-            req.status = "running"
-            self.running.append(req)
-            self.target.join(req.kda)
-            if self.drafter is not None:
-                self.drafter.join(req.draft_kda)
-            req.kda = req.draft_kda = None
+            else:
+                self.prefix.publish_blocks(req.prefix, cache_key(req), end, req.seq)
+        if end < n:
+            return False
+        req.images = req.vision = None  # every slot is in the latents and states now: free the pixels and vectors
+        if self.draft is not None:  # the draft has no prefix cache: it reads the whole prompt
+            for s in range(0, n, self.cfg.prefill_chunk):
+                self._forward(self.draft, self.draft_pool, [req.draft_seq], req.draft_kda,
+                              [req.prompt[s:s + self.cfg.prefill_chunk]], logits_to_keep=1)
+        if self.prefix is not None:  # always a checkpoint at the end of a prompt
+            self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
+        token = sample_tokens(logits_V[None], [req])[0]
+        logprob = float(torch.log_softmax(logits_V, -1)[token])
+        self._emit(req, [token], [logprob], outputs)
+        if req.finished:
+            self._end(req, req.finish_reason, outputs, states=req.kda, row=0, emitted=True)
+            return True
+        req.status = "running"
+        self.running.append(req)
+        self.target.join(req.kda)
+        if self.drafter is not None:
+            self.drafter.join(req.draft_kda)
+        req.kda = req.draft_kda = None
+        return True
 
     def _decode(self, outputs: list[StepOutput]) -> None:
         if self.fast:

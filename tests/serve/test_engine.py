@@ -481,3 +481,31 @@ def test_nan_logits_fail_only_their_request(after):
     assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
     assert engine.pool.reserved == 0 and not engine.running
     assert engine.generate([prompts[0]], params)[0].output == clean[0]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["general", "fast"])
+def test_equal_length_chunks_prefill_as_one_forward(fast):
+    """Prompts whose prefill chunks have the same length run as one [G, T] forward (a group), also when their cached
+    lengths differ (a prefix hit beside a cold prompt) and with T above the absorbed-MLA limit (the expanded form
+    with a cache): every token and logprob is still the full forward's, and there are fewer forwards than chunks."""
+    model = small_model("k3")
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=400, max_batch=8, prefill_chunk=64, hash_interval=4,
+                                        checkpoint_interval=None, fast_decode=fast))
+    rng = random.Random(3)
+    first = engine.generate([[rng.randrange(256) for _ in range(24)]], SamplingParams(max_tokens=2, **GREEDY))[0]
+    forwards = engine.counters["prefill_forwards"]
+    hit = first.prompt + [rng.randrange(256) for _ in range(20)]  # resumes at its cached 24 tokens: a 20-token chunk
+    cold = [[rng.randrange(256) for _ in range(20)] for _ in range(2)]
+    reqs = engine.generate([hit] + cold, SamplingParams(max_tokens=4, **GREEDY))
+    assert reqs[0].cached_tokens == 24 and engine.counters["prefill_forwards"] - forwards == 1
+    for r in reqs:
+        check_against_full_forward(model, r)
+    # eight 8-token prompts fill the 64-token budget: one forward; eight 10-token ones take four (6 x 10, the 7th's
+    # first 4 tokens with what is left of the budget, then the 7th's last 6 and the 8th's 10 apart: unequal chunks)
+    for n, want in ((8, 1), (10, 4)):
+        forwards = engine.counters["prefill_forwards"]
+        reqs = engine.generate([[rng.randrange(256) for _ in range(n)] for _ in range(8)],
+                               SamplingParams(max_tokens=2, **GREEDY))
+        assert engine.counters["prefill_forwards"] - forwards == want
+    for r in reqs:
+        check_against_full_forward(model, r)
