@@ -772,7 +772,20 @@ def add_engine_args(parser: argparse.ArgumentParser, chat: bool = False) -> None
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    add_compile_arg(parser)
     add_threads_arg(parser)
+
+
+def add_compile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="torch.compile the fast decode step (faster decode, measured in docs/engine.md; the "
+                             "first step of each batch size compiles first)")
+
+
+def compile_settings(args: argparse.Namespace) -> dict:
+    """EngineConfig fields for --compile-decode: the compiled step is the fast path's, so it turns that on too (the
+    CPU's default is the general path)."""
+    return dict(fast_decode=True, compile_decode=True) if args.compile_decode else {}
 
 
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
@@ -808,7 +821,8 @@ def _engine_from_args(args: argparse.Namespace):
     if args.cache_tokens < args.page_size:
         raise ValueError(f"--cache-tokens={args.cache_tokens} is smaller than one page (--page-size={args.page_size})")
     config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
-                          prefix_cache=not args.no_prefix_cache, num_draft_tokens=args.num_draft_tokens)
+                          prefix_cache=not args.no_prefix_cache, num_draft_tokens=args.num_draft_tokens,
+                          **compile_settings(args))
     return Engine(model, config, draft), tokenizer
 
 

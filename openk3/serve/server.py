@@ -49,7 +49,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.model.checkpoint import load_for_inference
-from openk3.serve.engine import Engine, EngineConfig, Request, SamplingParams, StepOutput, add_threads_arg, set_threads
+from openk3.serve.engine import (Engine, EngineConfig, Request, SamplingParams, StepOutput, add_compile_arg,
+                                 add_threads_arg, compile_settings, set_threads)
 from openk3.text import chat
 from openk3.vision.model import expand_media_pads
 from openk3.vision.preprocess import ImageError, decode_data_url, decode_image, num_image_tokens, preprocess
@@ -1016,6 +1017,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="requests prefilling or decoding at once")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--cache-tokens", type=int, default=65536, help="size of the page pool, in tokens")
+    add_compile_arg(p)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted; larger gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     add_threads_arg(p)
@@ -1030,7 +1032,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     model, tokenizer, _ = load_for_inference(args.model, args.device)
     config = EngineConfig(page_size=args.page_size, num_pages=args.cache_tokens // args.page_size + 1,
-                          max_batch=args.max_batch)
+                          max_batch=args.max_batch, **compile_settings(args))
     name = args.served_model_name or Path(args.model).resolve().name  # the directory the user named, e.g. a run
     app = create_app(Engine(model, config), tokenizer, name, api_key=args.api_key, max_context=args.max_context,
                      max_body_bytes=args.max_body_bytes)

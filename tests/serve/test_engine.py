@@ -509,3 +509,17 @@ def test_equal_length_chunks_prefill_as_one_forward(fast):
         assert engine.counters["prefill_forwards"] - forwards == want
     for r in reqs:
         check_against_full_forward(model, r)
+
+
+def test_compile_decode_flag_compiles_the_fast_step():
+    """`--compile-decode` (generate, chat, serve) builds an engine on the fast path with its step compiled, on any
+    device (the CPU's default path is the general one); without it nothing is compiled."""
+    from openk3.serve.engine import add_engine_args, compile_settings
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, compiled in (([], False), (["--compile-decode"], True)):
+        ns = parser.parse_args(["--model", "m", "--prompt", "p", *flags])
+        engine = Engine(small_model("k3"), EngineConfig(page_size=4, num_pages=50, **compile_settings(ns)))
+        assert engine.fast == compiled
+        if compiled:
+            assert engine.target.decoder.run is not engine.target.decoder._run
