@@ -54,11 +54,14 @@ INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 # must be measured on the GPU (bench/moe_gemv.py times both at T = 1, 4, 16, 64).
 GEMV_MAX_SLOTS = 64
 
-# Tile sizes (rows of a weight matrix x elements along the dot product a program reads per step). NOTE: chosen,
-# not tuned: small row tiles give many programs, which a memory-bound GEMV needs to keep the GPU's loads in flight
-# (4 slots x 512 / 8 = 256 programs for kernel 1 at batch 1). bench/moe_gemv.py takes them as flags.
+# Tile sizes: rows of a weight matrix x elements along the dot product that one program reads per step (the
+# latter capped at the dot product's length, rounded up to a power of two). NOTE: chosen, not tuned on a GPU: a
+# memory-bound GEMV needs many bytes in flight, so small row tiles for many programs (kimi-linear-1.5b at batch 1:
+# 4 slots x 512 / 8 = 256 programs in kernel 1, 1536 / 8 = 192 in kernel 2, whose K experts' loads are unrolled).
+# Compiled for sm_90 here (no GPU needed) they use 64 and 96 registers a thread, no spills. bench/moe_gemv.py
+# times other tiles (--blocks).
 BLOCK_F, BLOCK_D1 = 8, 256  # kernel 1: F rows of w1/w3 x D
-BLOCK_D, BLOCK_F2 = 16, 128  # kernel 2: D rows of w2 x F
+BLOCK_D, BLOCK_F2 = 8, 512  # kernel 2: D rows of w2 x F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -178,7 +181,7 @@ if triton is not None:
         d_mask = d < D
         dtype = y_ptr.dtype.element_ty
         y = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for k in range(0, K):
+        for k in tl.static_range(K):  # unrolled: the K experts' loads can be in flight together
             s = t * K + k
             e = tl.minimum(tl.maximum(tl.load(idx_ptr + s).to(tl.int64), 0), E - 1)
             w_rows = e * stride_we + d[:, None].to(tl.int64) * stride_wd
@@ -225,10 +228,10 @@ def moe_experts_gemv(
         raise ValueError(f"moe_experts_gemv takes no weight_fn (got {weight_fn!r}); use moe_experts_grouped")
     if _needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
         raise ValueError("moe_experts_gemv is forward only, but an input requires grad; use moe_experts_grouped")
-    block_f, block_d1, block_d, block_f2 = blocks or (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2)
-
     T, D = x_TD.shape
     E, F, _ = w1_EFD.shape
+    block_f, block_d1, block_d, block_f2 = blocks or (BLOCK_F, min(BLOCK_D1, triton.next_power_of_2(D)), BLOCK_D,
+                                                      min(BLOCK_F2, triton.next_power_of_2(F)))
     K = topk_idx_TK.shape[1]
     if T * K == 0:
         return torch.zeros((T, D), dtype=x_TD.dtype, device=x_TD.device)

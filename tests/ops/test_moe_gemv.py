@@ -67,15 +67,16 @@ def random_moe(T, D, F, E, K, dtype, seed, scale=1.0, device="cpu"):
 
 
 # fp32 and fp16 round as the GPU does: the kernels match the loop to the order of the fp32 sums (fp16: at most
-# 2.1e-4 on these cases; leaving out any of the kernels' roundings to x's dtype gave 4.4e-4 to 7.4e-4). NOTE: the
+# 3.3e-5 on these cases; leaving out the kernels' roundings of gate/up or of the expert output to x's dtype gave
+# 6.1e-4 and 4.0e-4). NOTE: the
 # interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest), a bias of ~2^-9 per rounding, three
 # roundings deep: its bf16 bound is loose, the GPU test below holds bf16 to the grouped matmul's error.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-4, torch.bfloat16: 4e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 4e-2}
 
 
 @interpreted_only
-@pytest.mark.parametrize("T, K, E", [(1, 1, 3), (3, 2, 5), (7, 4, 6), (2, 4, 4)])
-@pytest.mark.parametrize("act", [swiglu, situ_k3, situ_other])
+@pytest.mark.parametrize("T, K, E, act", [(1, 1, 3, situ_k3), (3, 2, 5, situ_other), (7, 4, 6, swiglu),
+                                          (2, 4, 4, situ_k3)])  # E = K: every token uses every expert
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_interpreted_gemv_matches_loop(T, K, E, act, dtype):
     D, F = 48, 40  # not powers of two, nor multiples of the tiles: masked edges in both kernels
@@ -103,8 +104,8 @@ def test_interpreted_gemv_saturated_activations(act):
 def test_interpreted_situ_is_accurate_element_by_element(act):
     """SiTU's tanh (the Taylor series below 1/8, the exp form above) and sigmoid, from 1e-8 to 1e3 of either sign:
     one expert with F = 1 whose gate and up rows pick x_t's two entries, and w2 = 1, so y[t, 0] = act(x_t0, x_t1)."""
-    gate = torch.cat([torch.logspace(-8, 3, 45), -torch.logspace(-8, 3, 45), torch.tensor([0.124, 0.126, -0.5])])
-    up = torch.cat([torch.logspace(-8, 3, 31), -torch.logspace(-8, 3, 31), torch.tensor([30.0])])
+    gate = torch.cat([torch.logspace(-8, 3, 23), -torch.logspace(-8, 3, 23), torch.tensor([0.124, 0.126, -0.5])])
+    up = torch.cat([torch.logspace(-8, 3, 16), -torch.logspace(-8, 3, 16), torch.tensor([30.0])])
     up = up[torch.randperm(up.numel(), generator=torch.Generator().manual_seed(0))].repeat(2)[: gate.numel()]
     T = gate.numel()
     x = torch.stack([gate, up], 1)
