@@ -41,7 +41,8 @@ situ_other.glu = GLUSpec("situ", 2.5, 7.0)
 
 # True in the child process `test_kernels_under_the_interpreter` starts (TRITON_INTERPRET=1 before triton's import)
 INTERPRETED = moe_gemv.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the child test_kernels_under_the_interpreter starts")
+interpreted_only = pytest.mark.skipif(not INTERPRETED,
+                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
 
 
 @needs_triton
@@ -189,8 +190,8 @@ def test_kernels_compile_for_sm90_without_spills(act):
     shape = {"F": s["F"], "D": s["D"], "K": s["K"]}
     ptrs = {n: "*bf16" for n in ("x_ptr", "w1_ptr", "w3_ptr", "h_ptr", "topk_w_ptr", "w2_ptr", "y_ptr")}
     types = {**ptrs, "idx_ptr": "*i64", "beta": "fp32", "linear_beta": "fp32"}
-    gate_up = compile_for_sm90(moe_gemv._gate_up_kernel, types, {**shape, "SITU": act == "situ",
-                                                                 "BLOCK_F": moe_gemv.BLOCK_F, "BLOCK_D": moe_gemv.BLOCK_D1})
+    gate_up = compile_for_sm90(moe_gemv._gate_up_kernel, types,
+                               {**shape, "SITU": act == "situ", "BLOCK_F": moe_gemv.BLOCK_F, "BLOCK_D": moe_gemv.BLOCK_D1})
     down = compile_for_sm90(moe_gemv._down_kernel, types, {**shape, "BLOCK_D": moe_gemv.BLOCK_D,
                                                            "BLOCK_F": moe_gemv.BLOCK_F2})
     for usage in (gate_up, down):  # spilled registers show as a stack frame (64 x 512 tiles: STACK:4984)
