@@ -4,8 +4,8 @@
     python bench/moe_gemv.py --tokens 1 4 --blocks 8,256,8,512 16,128,8,256
 
 For each token count T, one MoE layer's routed experts (E experts, top-K, F x D; default kimi-linear-1.5b's
-32 / 4 / 512 x 1536, bf16) with a random router's choice (K distinct experts per token) run as
-`moe_experts_grouped` and as `moe_experts_gemv` (once per `--blocks` tile set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of
+32 / 4 / 512 x 1536; bf16, the dtype the grouped matmul is one capturable kernel in) with a random router's choice
+(K distinct experts per token) run as `moe_experts_grouped` and as `moe_experts_gemv` (once per `--blocks` tile set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of
 openk3/ops/moe_gemv.py). Each is timed two ways, in microseconds per call: eager (launches included) and replayed
 from a CUDA graph of `--calls` back-to-back calls (as the engine's decode step runs them). The table also gives
 the GEMV's error against the grouped result and the read bandwidth over the distinct experts' weights
@@ -107,7 +107,6 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--inter", type=int, default=512, help="F, the experts' intermediate size")
     p.add_argument("--dim", type=int, default=1536, help="D, the experts' input and output size")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--act", choices=["swiglu", "situ"], default="swiglu", help="kimi-linear: swiglu, K3: situ")
     p.add_argument("--blocks", type=parse_blocks, nargs="+", default=[None],
                    help="GEMV tile sets BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 (default: the module's)")
@@ -125,7 +124,7 @@ def main() -> None:
             raise SystemExit(f"{name} must be >= 1, got {value}")
     if args.topk > args.experts:
         raise SystemExit(f"--topk {args.topk} is more than --experts {args.experts}")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = torch.bfloat16  # NOTE: the grouped matmul is one fused (capturable) kernel only in bf16 on sm90+
     act = {"swiglu": swiglu, "situ": situ}[args.act]
     E, K, F, D = args.experts, args.topk, args.inter, args.dim
     pow2 = moe_gemv.triton.next_power_of_2  # the module caps the dot-product tiles at these
@@ -133,7 +132,7 @@ def main() -> None:
                       moe_gemv.BLOCK_D, min(moe_gemv.BLOCK_F2, pow2(F)))
 
     rows = []
-    print(f"{hardware()['gpu']}: E={E} K={K} F={F} D={D} {args.dtype} {args.act}, us per call (best of "
+    print(f"{hardware()['gpu']}: E={E} K={K} F={F} D={D} bf16 {args.act}, us per call (best of "
           f"{args.repeats} x {args.calls} calls)")
     print(f"{'T':>4} {'path':<28} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'rel err':>9}")
     with torch.no_grad():
