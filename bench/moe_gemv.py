@@ -6,10 +6,10 @@
 For each token count T, one MoE layer's routed experts (E experts, top-K, F x D; default kimi-linear-1.5b's
 32 / 4 / 512 x 1536; bf16, the dtype the grouped matmul is one capturable kernel in) with a random router's choice
 (K distinct experts per token) run as `moe_experts_grouped` and as `moe_experts_gemv` (once per `--blocks` tile
-set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of openk3/ops/moe_gemv.py). Each is timed two ways, in microseconds per call: eager (launches included) and replayed
-from a CUDA graph of `--calls` back-to-back calls (as the engine's decode step runs them). The table also gives
-the GEMV's error against the grouped result and the read bandwidth over the distinct experts' weights
-(3 x F x D each), the floor the GEMV aims at. Writes bench/results/moe_gemv.json (atomically) with the hardware.
+set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of openk3/ops/moe_gemv.py). Each is timed two ways, in microseconds per
+call: eager (launches included) and replayed from a CUDA graph of `--calls` back-to-back calls (as the engine's
+decode step runs them). The table also gives the GEMV's error against the grouped result and the read bandwidth
+over the distinct experts' weights (3 x F x D each), the floor the GEMV aims at. Writes bench/results/moe_gemv.json (atomically) with the hardware.
 The T at which the grouped matmul starts to win is what `moe_gemv.GEMV_MAX_SLOTS` (T*K) should be.
 """
 
