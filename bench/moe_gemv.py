@@ -10,7 +10,8 @@ set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of openk3/ops/moe_gemv.py). Each is timed
 call: eager (launches included) and replayed from a CUDA graph of `--calls` back-to-back calls (as the engine's
 decode step runs them). The table also gives the GEMV's error against the grouped result and the read bandwidth
 over the distinct experts' weights (3 x F x D each), the floor the GEMV aims at. Writes
-bench/results/moe_gemv.json (atomically) with the hardware. The T at which the grouped matmul starts to win is what `moe_gemv.GEMV_MAX_SLOTS` (T*K) should be.
+bench/results/moe_gemv.json (atomically) with the hardware. The T at which the grouped matmul starts to win
+is what `moe_gemv.GEMV_MAX_SLOTS` (T*K) should be.
 """
 
 from __future__ import annotations
