@@ -37,6 +37,7 @@ from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
 from openk3.ops.moe import route
+from openk3.ops.moe_gemv import GLUSpec
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
 
@@ -79,10 +80,15 @@ class RMSNorm(nn.Module):
 
 
 def glu_activation(config: K3Config):
-    """SiTU-GLU when the config says "situ" (K3), else SwiGLU (Kimi-Linear)."""
+    """SiTU-GLU when the config says "situ" (K3), else SwiGLU (Kimi-Linear). The callable's `glu` attribute names
+    it and its constants for kernels that compute it themselves (openk3/ops/moe_gemv.py)."""
     if config.hidden_act == "situ":
         b, lb = config.activation_situ_beta, config.activation_situ_linear_beta
-        return lambda gate, up: recomputed(situ_glu, gate, up, b, lb)
+
+        def situ_any(gate: Tensor, up: Tensor) -> Tensor:
+            return recomputed(situ_glu, gate, up, b, lb)
+        situ_any.glu = GLUSpec("situ", b, lb)
+        return situ_any
 
     def swiglu_any(gate: Tensor, up: Tensor) -> Tensor:
         # fla's fused SwiGLU (fp32 inside, like swiglu; one kernel forward, one backward) wherever fla's fused
@@ -90,6 +96,7 @@ def glu_activation(config: K3Config):
         if gate.is_cuda and select_kda_backend(gate.device).fused:
             return kda_fused.swiglu(gate, up)
         return recomputed(swiglu, gate, up)
+    swiglu_any.glu = GLUSpec("swiglu")
     return swiglu_any
 
 

@@ -5,6 +5,10 @@ reason that `openk3 info --backends` prints; call sites never try/except.
   env OPENK3_KDA_BACKEND=naive|torch|fla overrides).
 - MoE experts: `torch._grouped_mm` when it runs on the device and dtype, else the per-expert loop
   (env OPENK3_MOE_BACKEND=grouped|loop overrides; asking for `grouped` where it cannot run is an error).
+  On top of either, decode-sized forwards (T*K <= moe_gemv.GEMV_MAX_SLOTS slots, no grad) run the Triton GEMV
+  kernels of moe_gemv.py where they run (CUDA with triton installed); env OPENK3_MOE_GEMV=0 turns them off (the
+  old path, for comparison), =1 makes it an error when they cannot run. That per-call size test is the only
+  branch at the call (`moe_experts`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,19 @@ from torch import Tensor
 
 from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
+from openk3.ops.moe_gemv import gemv_applies, gemv_supported, moe_experts_gemv
 
 __all__ = ["KDABackend", "MoEBackend", "moe_experts", "select_kda_backend", "select_moe_backend"]
 
 
 @dataclass(frozen=True)
 class MoEBackend:
+    """`fn` runs every call but the decode-sized ones that `small` (None = none) takes: see `moe_experts`."""
+
     name: str
     reason: str
     fn: object
+    small: object = None
 
 
 @functools.cache
@@ -34,18 +42,34 @@ def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
     requested = os.environ.get("OPENK3_MOE_BACKEND")
     if requested not in (None, "", "grouped", "loop"):
         raise ValueError(f"OPENK3_MOE_BACKEND={requested!r}: expected 'grouped' or 'loop'")
+    gemv_requested = os.environ.get("OPENK3_MOE_GEMV")
+    if gemv_requested not in (None, "", "0", "1"):
+        raise ValueError(f"OPENK3_MOE_GEMV={gemv_requested!r}: expected '0' (off) or '1' (required)")
     ok, why = grouped_mm_supported(torch.device(device_type), dtype)
     if requested == "loop":
-        return MoEBackend("loop", "OPENK3_MOE_BACKEND=loop", moe_experts_loop)
-    if requested == "grouped" and not ok:
+        name, reason, fn = "loop", "OPENK3_MOE_BACKEND=loop", moe_experts_loop
+    elif requested == "grouped" and not ok:
         raise RuntimeError(f"OPENK3_MOE_BACKEND=grouped but grouped matmuls cannot run here: {why}")
-    if ok:
-        return MoEBackend("grouped", why, moe_experts_grouped)
-    return MoEBackend("loop", why, moe_experts_loop)
+    elif ok:
+        name, reason, fn = "grouped", why, moe_experts_grouped
+    else:
+        name, reason, fn = "loop", why, moe_experts_loop
+    gemv_ok, gemv_why = gemv_supported(torch.device(device_type), dtype)
+    if gemv_requested == "0":
+        return MoEBackend(name, f"{reason}; OPENK3_MOE_GEMV=0: no GEMV path", fn)
+    if gemv_requested == "1" and not gemv_ok:
+        raise RuntimeError(f"OPENK3_MOE_GEMV=1 but the GEMV kernels cannot run here: {gemv_why}")
+    if gemv_ok:
+        return MoEBackend(name, f"{reason}; {gemv_why}", fn, small=moe_experts_gemv)
+    return MoEBackend(name, f"{reason}; no GEMV path: {gemv_why}", fn)
 
 
 def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
-    """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`)."""
+    """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`); a
+    decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them."""
     backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
-    return backend.fn(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn=weight_fn)
+    args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
+    if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
+        return backend.small(*args)
+    return backend.fn(*args, weight_fn=weight_fn)

@@ -1,0 +1,164 @@
+"""Routed experts at decode sizes on CUDA: the grouped matmul against the Triton GEMV kernels (issue #12).
+
+    python bench/moe_gemv.py                                   # kimi-linear-1.5b experts, T = 1, 4, 16, 64
+    python bench/moe_gemv.py --tokens 1 4 --blocks 8,256,8,512 16,128,8,256
+
+For each token count T, one MoE layer's routed experts (E experts, top-K, F x D; default kimi-linear-1.5b's
+32 / 4 / 512 x 1536; bf16, the dtype the grouped matmul is one capturable kernel in) with a random router's choice
+(K distinct experts per token) run as `moe_experts_grouped` and as `moe_experts_gemv` (once per `--blocks` tile
+set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of openk3/ops/moe_gemv.py). Each is timed two ways, in microseconds per
+call: eager (launches included) and replayed from a CUDA graph of `--calls` back-to-back calls (as the engine's
+decode step runs them). The table also gives the GEMV's error against the grouped result and the read bandwidth
+over the distinct experts' weights (3 x F x D each), the floor the GEMV aims at. Writes
+bench/results/moe_gemv.json (atomically) with the hardware. The T at which the grouped matmul starts to win
+is what `moe_gemv.GEMV_MAX_SLOTS` (T*K) should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from openk3.ops import moe_gemv  # noqa: E402
+from openk3.ops.moe import moe_experts_grouped  # noqa: E402
+from openk3.ops.moe_gemv import GLUSpec, moe_experts_gemv  # noqa: E402
+from openk3.ops.situ import situ_glu, swiglu  # noqa: E402
+
+
+def situ(gate, up):
+    return situ_glu(gate, up, 4.0, 25.0)
+
+
+situ.glu = GLUSpec("situ", 4.0, 25.0)
+
+
+def parse_blocks(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--blocks {text!r}: expected four powers of two, e.g. 8,256,8,512")
+    return tuple(int(p) for p in parts)
+
+
+def time_eager(fn, calls: int, repeats: int) -> float:
+    """Microseconds per call, launches included."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, 1e3 * start.elapsed_time(end) / calls)
+    return best
+
+
+def time_graph(fn, calls: int, repeats: int) -> float:
+    """Microseconds per call, `calls` calls captured in one CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture (compiles, lazy init), as PyTorch's notes ask
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_eager(graph.replay, 1, repeats) / calls
+
+
+def inputs(T: int, E: int, K: int, F: int, D: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, D, device="cuda", generator=gen).to(dtype)
+    w1 = (torch.randn(E, F, D, device="cuda", generator=gen) / D**0.5).to(dtype)
+    w3 = (torch.randn(E, F, D, device="cuda", generator=gen) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, device="cuda", generator=gen) / F**0.5).to(dtype)
+    topk_w, topk_idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=-1)
+    return x, topk_idx, topk_w.to(dtype), w1, w2, w3
+
+
+def hardware() -> dict:
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version()}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--inter", type=int, default=512, help="F, the experts' intermediate size")
+    p.add_argument("--dim", type=int, default=1536, help="D, the experts' input and output size")
+    p.add_argument("--act", choices=["swiglu", "situ"], default="swiglu", help="kimi-linear: swiglu, K3: situ")
+    p.add_argument("--blocks", type=parse_blocks, nargs="+", default=[None],
+                   help="GEMV tile sets BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 (default: the module's)")
+    p.add_argument("--calls", type=int, default=20, help="calls per timing (and per captured graph)")
+    p.add_argument("--repeats", type=int, default=20, help="timings; the best is reported")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "moe_gemv.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/moe_gemv.py times CUDA kernels: no CUDA device here")
+    ok, why = moe_gemv.gemv_supported("cuda", torch.bfloat16)
+    if not ok:
+        raise SystemExit(f"the GEMV kernels cannot run here: {why}")
+    for name, value in (("--tokens", min(args.tokens)), ("--calls", args.calls), ("--repeats", args.repeats)):
+        if value < 1:
+            raise SystemExit(f"{name} must be >= 1, got {value}")
+    if args.topk > args.experts:
+        raise SystemExit(f"--topk {args.topk} is more than --experts {args.experts}")
+    dtype = torch.bfloat16  # NOTE: the grouped matmul is one fused (capturable) kernel only in bf16 on sm90+
+    act = {"swiglu": swiglu, "situ": situ}[args.act]
+    E, K, F, D = args.experts, args.topk, args.inter, args.dim
+    pow2 = moe_gemv.triton.next_power_of_2  # the module caps the dot-product tiles at these
+    default_blocks = (moe_gemv.BLOCK_F, min(moe_gemv.BLOCK_D1, pow2(D)),
+                      moe_gemv.BLOCK_D, min(moe_gemv.BLOCK_F2, pow2(F)))
+
+    rows = []
+    print(f"{hardware()['gpu']}: E={E} K={K} F={F} D={D} bf16 {args.act}, us per call (best of "
+          f"{args.repeats} x {args.calls} calls)")
+    print(f"{'T':>4} {'path':<28} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'rel err':>9}")
+    with torch.no_grad():
+        for T in args.tokens:
+            x, idx, w, w1, w2, w3 = inputs(T, E, K, F, D, dtype, seed=T)
+            distinct = torch.unique(idx).numel()  # one readback, outside the timed calls
+            weight_bytes = distinct * 3 * F * D * w1.element_size()
+            y_grouped = moe_experts_grouped(x, idx, w, w1, w2, w3, act)
+            paths = [("grouped", lambda: moe_experts_grouped(x, idx, w, w1, w2, w3, act), None)]
+            for blocks in args.blocks:
+                label = "gemv " + ",".join(map(str, blocks or default_blocks))
+                paths.append((label, lambda b=blocks: moe_experts_gemv(x, idx, w, w1, w2, w3, act, blocks=b), blocks))
+            for label, fn, blocks in paths:
+                y = fn()
+                err = ((y.double() - y_grouped.double()).norm() / y_grouped.double().norm()).item()
+                eager = time_eager(fn, args.calls, args.repeats)
+                graph = time_graph(fn, args.calls, args.repeats)
+                gbs = weight_bytes / (graph * 1e-6) / 1e9
+                rows.append({"T": T, "slots": T * K, "path": label, "eager_us": eager, "graph_us": graph,
+                             "distinct_experts": distinct, "weight_GBps": gbs, "rel_err_vs_grouped": err})
+                print(f"{T:>4} {label:<28} {eager:>9.1f} {graph:>9.1f} {gbs:>7.0f} {err:>9.2e}")
+    write_json(args.out, {"hardware": hardware(), "args": {k: str(v) for k, v in vars(args).items()},
+                          "gemv_max_slots": moe_gemv.GEMV_MAX_SLOTS, "rows": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Routed experts for decode-sized token counts: two Triton GEMV kernels instead of three grouped GEMMs (issue #12).
+
+At batch 1 the decode step's routed experts are 4 token slots against 32 experts. `moe_experts_grouped` runs three
+`torch._grouped_mm` over all 32 groups plus the sort / searchsorted / index_add around them (the H200 profile of
+kimi-linear-1.5b in issue #12: ~1.1 ms of a ~2.9 ms step, against ~5 us for reading the 4 chosen experts'
+weights). Here every slot reads only its own expert's rows, in two launches and no sort:
+
+- kernel 1, grid (S slots, F tiles): slot s = t*K + k of token t runs expert e = topk_idx[t, k]:
+  gate = x_t . w1[e, f, :] and up = x_t . w3[e, f, :], accumulated in fp32 over D; each is rounded to x's dtype
+  (the reference's matmul outputs are in x's dtype), the activation runs in fp32 on those rounded values and is
+  rounded to x's dtype -> h [S, F].
+- kernel 2, grid (T tokens, D tiles): for each of the token's K slots, out = h[s, :] . w2[e, d, :] in fp32,
+  rounded to x's dtype, times the slot's routing weight in fp32, summed over the K slots in fp32 (slots are
+  token-major, so a token's slots are adjacent: no sort, no atomics, deterministic) and cast to x's dtype.
+
+That is the precision of openk3/ops/moe.py's docstring, so `moe_experts_gemv` has `moe_experts_loop`'s signature
+and result (tests/ops/test_moe_gemv.py compares them). It is forward only: `openk3.ops.moe_experts` sends a call
+here only when `gemv_applies` (no gradient needed, no weight_fn, a known activation, S = T*K <= GEMV_MAX_SLOTS);
+everything else runs the backend chosen once (grouped or loop). No host syncs and no data-dependent shapes, so
+it runs inside the CUDA-graph capture of the decode step (openk3/serve/static.py).
+
+The kernels compute the activation themselves, so they must know which one `act` is: `GLUSpec`, attached to the
+callable as `act.glu` (openk3/model/model.py `glu_activation` does), or the plain `swiglu` / `situ_glu`
+references of situ.py with their default constants.
+
+Triton is optional (not a dependency): without it `gemv_supported` says why and nothing here runs. With
+TRITON_INTERPRET=1 in the environment when this module is imported, triton.jit makes the kernels run in Triton's
+CPU interpreter (slow), so they then take CPU tensors: the tests run them that way.
+NOTE: the interpreter casts fp32 to bf16 by truncation, the GPU rounds to nearest; fp32 and fp16 match the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from openk3.ops.moe import Activation, WeightFn, _check_inputs
+from openk3.ops.situ import situ_glu, swiglu
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# what triton.jit reads when it decorates the kernels below (at this module's import)
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+# NOTE: the largest S = T*K sent to the GEMV kernels. 64 is a starting point, not a measurement: every slot reads
+# its whole expert (3 F x D matrices), so past some S the grouped GEMM, which reads each used expert once, wins. It
+# must be measured on the GPU (bench/moe_gemv.py times both at T = 1, 4, 16, 64).
+GEMV_MAX_SLOTS = 64
+
+# Tile sizes: rows of a weight matrix x elements along the dot product that one program reads per step (the
+# latter capped at the dot product's length, rounded up to a power of two). NOTE: chosen, not tuned on a GPU: a
+# memory-bound GEMV needs many bytes in flight, so small row tiles for many programs (kimi-linear-1.5b at batch 1:
+# 4 slots x 512 / 8 = 256 programs in kernel 1, 1536 / 8 = 192 in kernel 2, whose K experts' loads are unrolled).
+# Compiled for sm_90 here (no GPU needed) they use 64 and 96 registers a thread, no spills. bench/moe_gemv.py
+# times other tiles (--blocks).
+BLOCK_F, BLOCK_D1 = 8, 256  # kernel 1: F rows of w1/w3 x D
+BLOCK_D, BLOCK_F2 = 8, 512  # kernel 2: D rows of w2 x F
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GLUSpec:
+    """Which gated activation act(gate, up) is, for kernels that compute it themselves (situ.py defines both)."""
+
+    kind: str  # "swiglu" or "situ"
+    beta: float = 4.0  # situ only: the gate's clamp
+    linear_beta: float = 25.0  # situ only: the up's clamp
+
+    def __post_init__(self):
+        if self.kind not in ("swiglu", "situ"):
+            raise ValueError(f"GLUSpec kind must be 'swiglu' or 'situ', got {self.kind!r}")
+        if not (self.beta > 0 and self.linear_beta > 0):
+            raise ValueError(f"GLUSpec beta and linear_beta must be positive, got {self.beta}, {self.linear_beta}")
+
+
+def glu_spec(act: Activation) -> GLUSpec | None:
+    """The GLUSpec of `act`: its `glu` attribute, the plain references of situ.py, else None (not known here)."""
+    spec = getattr(act, "glu", None)
+    if spec is not None:
+        return spec
+    if act is swiglu:
+        return GLUSpec("swiglu")
+    if act is situ_glu:
+        return GLUSpec("situ")
+    return None
+
+
+def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the GEMV kernels run on this device and dtype: (ok, reason), the reason meant to be printed."""
+    device = torch.device(device)
+    if triton is None:
+        return False, "triton is not installed"
+    if dtype not in DTYPES:
+        return False, f"the Triton kernels take bf16, fp16 or fp32, not {dtype}"
+    where = "the Triton GEMV kernels"
+    if INTERPRET and device.type == "cpu":
+        where += " in Triton's CPU interpreter (TRITON_INTERPRET=1: slow, for tests)"
+    elif device.type != "cuda":
+        return False, f"the Triton kernels run on CUDA, not {device.type}"
+    return True, f"decode-sized calls (T*K <= {GEMV_MAX_SLOTS} slots, no grad) run {where}"
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def gemv_applies(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+                 w3_EFD: Tensor, act: Activation, weight_fn: WeightFn | None = None) -> bool:
+    """The per-call test (same arguments as the expert functions): a decode-sized forward the kernels can run.
+    Only shapes and flags are read, never values, so it does not sync and is fixed for a captured graph."""
+    return (topk_idx_TK.numel() <= GEMV_MAX_SLOTS and weight_fn is None and glu_spec(act) is not None
+            and not _needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD))
+
+
+if triton is not None:
+    @triton.jit
+    def _tanh(x):
+        # NOTE: libdevice.tanh does not run under TRITON_INTERPRET (the CPU tests), and 2 sigmoid(2x) - 1 loses
+        # all relative precision near 0; so the odd Taylor series below 1/8 (truncation ~1e-9 relative) and
+        # (1 - e) / (1 + e), e = exp(-2|x|) <= 1 (no overflow at any |x|), above.
+        a = tl.abs(x)
+        x2 = x * x
+        series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        e = tl.exp(-2.0 * a)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(a < 0.125, series, tl.where(x < 0, -t, t))
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, E, F: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                        stride_xt, stride_xd, stride_we, stride_wf, stride_wd,
+                        SITU: tl.constexpr, beta, linear_beta, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+        """h[s, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for slot s = t*K + k, e = idx[s].
+        F, D, K are compile-time constants: fixed per model, so one compile per layer shape, and the loops' trip counts
+        are known. NOTE: also because the interpreter (TRITON_INTERPRET, the CPU tests) with numpy 2.4 cannot loop
+        `range` over a runtime int argument."""
+        s = tl.program_id(0)
+        f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        t = s // K
+        # NOTE: ids are not range-checked (a check would sync); clamping keeps an id outside 0..E-1 from reading
+        # outside the weights (its slot is then wrong, as with moe_experts_grouped). int64: e * E*F*D overflows
+        # int32 at the release's sizes
+        e = tl.minimum(tl.maximum(tl.load(idx_ptr + s).to(tl.int64), 0), E - 1)
+        f_mask = f < F
+        w_rows = e * stride_we + f[:, None].to(tl.int64) * stride_wf
+        gate = tl.zeros((BLOCK_F,), dtype=tl.float32)
+        up = tl.zeros((BLOCK_F,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = d < D
+            x = tl.load(x_ptr + t * stride_xt + d * stride_xd, mask=d_mask, other=0.0).to(tl.float32)
+            mask = f_mask[:, None] & d_mask[None, :]
+            w_at = w_rows + d[None, :] * stride_wd
+            w1 = tl.load(w1_ptr + w_at, mask=mask, other=0.0).to(tl.float32)
+            w3 = tl.load(w3_ptr + w_at, mask=mask, other=0.0).to(tl.float32)
+            gate += tl.sum(w1 * x[None, :], axis=1)
+            up += tl.sum(w3 * x[None, :], axis=1)
+        # the reference's matmul outputs are in x's dtype: round, then the activation in fp32 (situ.py)
+        dtype = h_ptr.dtype.element_ty
+        g = gate.to(dtype).to(tl.float32)
+        u = up.to(dtype).to(tl.float32)
+        if SITU:
+            h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+        else:
+            h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + s * F + f, h.to(dtype), mask=f_mask)
+
+    @triton.jit
+    def _down_kernel(h_ptr, idx_ptr, topk_w_ptr, w2_ptr, y_ptr, E, F: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                     stride_we, stride_wd, stride_wf, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+        """y[t, d] = sum_k topk_w[t, k] * round(h[t*K + k] . w2[e, d]) in fp32, cast to y's dtype."""
+        t = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = d < D
+        dtype = y_ptr.dtype.element_ty
+        y = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for k in tl.static_range(K):  # unrolled: the K experts' loads can be in flight together
+            s = t * K + k
+            e = tl.minimum(tl.maximum(tl.load(idx_ptr + s).to(tl.int64), 0), E - 1)
+            w_rows = e * stride_we + d[:, None].to(tl.int64) * stride_wd
+            out = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for f0 in range(0, F, BLOCK_F):
+                f = f0 + tl.arange(0, BLOCK_F)
+                f_mask = f < F
+                h = tl.load(h_ptr + s * F + f, mask=f_mask, other=0.0).to(tl.float32)
+                w2 = tl.load(w2_ptr + w_rows + f[None, :] * stride_wf, mask=d_mask[:, None] & f_mask[None, :],
+                             other=0.0).to(tl.float32)
+                out += tl.sum(w2 * h[None, :], axis=1)
+            # the expert's output in x's dtype (as the reference's matmul), weighted and summed in fp32
+            y += tl.load(topk_w_ptr + s).to(tl.float32) * out.to(dtype).to(tl.float32)
+        tl.store(y_ptr + t * D + d, y.to(dtype), mask=d_mask)
+
+
+def moe_experts_gemv(
+    x_TD: Tensor,
+    topk_idx_TK: Tensor,
+    topk_w_TK: Tensor,
+    w1_EFD: Tensor,
+    w2_EDF: Tensor,
+    w3_EFD: Tensor,
+    act: Activation,
+    weight_fn: WeightFn | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
+) -> Tensor:
+    """Same as moe_experts_loop (forward only), with the two Triton kernels of the module docstring.
+
+    x_TD: [T, D]. topk_idx_TK: [T, K]. topk_w_TK: [T, K]. w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
+    act: a callable `glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
+    blocks: (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two), for the bench; None = the module's.
+    Raises ValueError where the kernels cannot run (gemv_supported), for an activation they do not know, a
+    weight_fn, or inputs that need a gradient (nothing here is differentiable).
+    """
+    _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
+    ok, reason = gemv_supported(x_TD.device, x_TD.dtype)
+    if not ok:
+        raise ValueError(f"moe_experts_gemv cannot run here: {reason}; use moe_experts_grouped or moe_experts_loop")
+    spec = glu_spec(act)
+    if spec is None:
+        raise ValueError(f"moe_experts_gemv does not know the activation {act!r}: give it a `glu` GLUSpec attribute")
+    if weight_fn is not None:
+        raise ValueError(f"moe_experts_gemv takes no weight_fn (got {weight_fn!r}); use moe_experts_grouped")
+    if _needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
+        raise ValueError("moe_experts_gemv is forward only, but an input requires grad; use moe_experts_grouped")
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    block_f, block_d1, block_d, block_f2 = blocks or (BLOCK_F, min(BLOCK_D1, triton.next_power_of_2(D)), BLOCK_D,
+                                                      min(BLOCK_F2, triton.next_power_of_2(F)))
+    K = topk_idx_TK.shape[1]
+    if T * K == 0:
+        return torch.zeros((T, D), dtype=x_TD.dtype, device=x_TD.device)
+    if w3_EFD.stride() != w1_EFD.stride():  # one set of strides serves both the gate and the up matrices
+        w1_EFD, w3_EFD = w1_EFD.contiguous(), w3_EFD.contiguous()
+    idx_S = topk_idx_TK.contiguous()
+    w_S = topk_w_TK.contiguous()
+    h_SF = torch.empty((T * K, F), dtype=x_TD.dtype, device=x_TD.device)
+    y_TD = torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
+    situ = spec.kind == "situ"
+    _gate_up_kernel[(T * K, triton.cdiv(F, block_f))](
+        x_TD, idx_S, w1_EFD, w3_EFD, h_SF, E, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
+        SITU=situ, beta=float(spec.beta), linear_beta=float(spec.linear_beta), BLOCK_F=block_f, BLOCK_D=block_d1)
+    _down_kernel[(T, triton.cdiv(D, block_d))](
+        h_SF, idx_S, w_S, w2_EDF, y_TD, E, F, D, K, *w2_EDF.stride(), BLOCK_D=block_d, BLOCK_F=block_f2)
+    return y_TD
