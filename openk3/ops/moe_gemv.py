@@ -49,9 +49,10 @@ except ImportError:
 # what triton.jit reads when it decorates the kernels below (at this module's import)
 INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
-# NOTE: the largest S = T*K sent to the GEMV kernels. 64 is a starting point, not a measurement: every slot reads
-# its whole expert (3 F x D matrices), so past some S the grouped GEMM, which reads each used expert once, wins. It
-# must be measured on the GPU (bench/moe_gemv.py times both at T = 1, 4, 16, 64).
+# NOTE: the largest S = T*K sent to the GEMV kernels. Every slot reads its whole expert (3 F x D matrices), so past
+# some S the grouped GEMM, which reads each used expert once, wins. Measured on one H200 at kimi-linear-1.5b's shapes
+# (bench/moe_gemv.py, docs/engine.md): graph-replayed, GEMV is 5.9x / 3.9x / 2.0x faster at S = 4 / 16 / 64 and
+# 0.85x at S = 256; between 64 and 256 it is not measured.
 GEMV_MAX_SLOTS = 64
 
 # Tile sizes: rows of a weight matrix x elements along the dot product that one program reads per step (the
