@@ -48,4 +48,11 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`)."""
     backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
+    if backend.fn is moe_experts_grouped and x_TD.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # NOTE: torch.compile traces torch._grouped_mm in bf16 only (ops/moe.py); a compiled fp32 model (the CPU's,
+        # train/compile.py) runs the same grouped kernel outside the graph (a graph break), not a different backend
+        return _grouped_outside_graph(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn=weight_fn)
     return backend.fn(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn=weight_fn)
+
+
+_grouped_outside_graph = torch.compiler.disable(moe_experts_grouped)
