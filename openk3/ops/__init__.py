@@ -29,6 +29,9 @@ class MoEBackend:
     fn: object
 
 
+_CHOSEN: dict[tuple, MoEBackend] = {}  # what moe_experts has looked up so far (see the NOTE there)
+
+
 @functools.cache
 def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
     requested = os.environ.get("OPENK3_MOE_BACKEND")
@@ -47,7 +50,12 @@ def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
 def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`)."""
-    backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
+    # NOTE: a plain dict lookup first: dynamo traces the body of the functools.cache'd select_moe_backend (and its
+    # CUDA capability query) on every call from a compiled layer (train/compile.py); a dict lookup traces to a constant
+    key = (x_TD.device.type, x_TD.dtype)
+    backend = _CHOSEN.get(key)
+    if backend is None:
+        backend = _CHOSEN[key] = select_moe_backend(*key)
     if backend.fn is moe_experts_grouped and x_TD.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # NOTE: torch.compile traces torch._grouped_mm in bf16 only (ops/moe.py); a compiled fp32 model (the CPU's,
         # train/compile.py) runs the same grouped kernel outside the graph (a graph break), not a different backend
