@@ -19,7 +19,7 @@ from openk3.model.checkpoint import load_pretrained, save_pretrained
 from openk3.train.compile import compile_layers, compiled_graphs
 from openk3.train.trainer import check_args, train
 from tests.helpers import rel_err
-from tests.train.test_train import args_for, make_workdir, small_config
+from tests.train.test_train import args_for, make_workdir
 
 
 def tiny_4():
@@ -154,10 +154,13 @@ def test_bf16_autocast_step_traces_and_matches():
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="Inductor's CPU backend needs a C++ compiler")
 def test_inductor_step_matches_eager():
-    """Inductor's generated code (fused, its reductions reordered): one step of a 3-layer `tiny` (KDA, KDA, MLA; the
-    compile takes ~1 s a graph on this CPU) in fp32 within 1e-5 (loss) and 1e-3 (each gradient) relative of eager."""
+    """Inductor's generated code (fused, its reductions reordered): one step of a 2-layer Kimi-Linear-family model
+    (a dense KDA layer, an MoE MLA layer: the fewest graphs that cover both mixers and both FFNs) in fp32 within 1e-5
+    (loss) and 1e-3 (each gradient) relative of eager."""
     torch.manual_seed(0)
-    eager = K3ForCausalLM(small_config())
+    c = kimi_linear_tiny()
+    eager = K3ForCausalLM(c.replace(num_hidden_layers=2, linear_attn_config=dict(
+        vars(c.linear_attn_config), **_schedule(2, 2, True))))
     compiled = copy.deepcopy(eager)
     compile_layers(compiled, "inductor")
     ids = torch.randint(0, eager.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
