@@ -18,11 +18,12 @@ How (each choice is checked on the CPU by tests/train/test_compile.py):
 - `dynamic=None` (not False): a region compiles for the shapes it first sees, and when one changes (a packed batch's
   number of documents, its longest document on CUDA, a --seq-len-schedule phase) compiles once more with that size
   symbolic. NOTE: dynamic=False would compile again for every new packing.
-- The code of all layers is one function (`DecoderLayer.forward`), so its compiled graphs share one cache: layers
-  that differ in what dynamo guards on (KDA or MLA, dense or MoE, the AttnRes bank's length and block start) get
-  a graph each, layers that do not share one. `kimi-linear-1.5b`'s 16 layers need 4 variants, K3-shaped models with
-  Block AttnRes about one per layer; the recompile limit is raised to cover the layers (`compile_layers`), since
-  torch's default (8) would otherwise run the layers past it eagerly.
+- The code of all layers is one function (`DecoderLayer.forward`), so its compiled graphs share one cache (with
+  every other model of the process): layers that differ in what dynamo guards on (KDA or MLA, dense or MoE, the
+  AttnRes bank's length and block start) get a graph each, layers that do not share one. Counted on narrow
+  stand-ins with the presets' 16-layer structure (docs/training.md): `kimi-linear-1.5b`'s compiles 12 graphs in
+  all, `k3-1.5b`'s (Block AttnRes) up to one variant of `DecoderLayer.forward` per layer. The recompile limit is
+  raised to cover the layers (`compile_layers`): with torch's default (8) the function would run eagerly past it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def compile_layers(model: K3ForCausalLM, backend: str = "inductor", *, dynamic: 
     backend: "inductor" (fused kernels; needs a C++ compiler on the CPU, Triton on CUDA), "aot_eager" (traces forward
     and backward through AOTAutograd without generating code: checks the graphs, fuses nothing) or "eager".
     Returns {"regions": number of compiled regions, "recompile_limit": the limit now in force}. Calling it twice on
-    the same model is an error (the second would compile the compiled forwards)."""
+    the same model is an error (the second would compile the compiled forwards).
+    NOTE: the compiled forwards are bound to these module instances: a copy.deepcopy of the compiled model would run
+    the original's modules. Copy first, then compile each copy."""
     if backend not in BACKENDS:
         raise ValueError(f"compile backend {backend!r}: expected one of {BACKENDS}")
     layers = list(model.model.layers)
