@@ -65,7 +65,7 @@ def recomputed(fn, *args):
 @torch.compiler.disable
 def outside_graph(fn, *args, **kwargs):
     """fn(*args, **kwargs), run eagerly when a torch.compile'd region calls it (a graph break; train/compile.py).
-    NOTE: for the KDA kernels. fla's are Triton kernels already (nothing for Inductor to fuse; fla wraps most of them
+    NOTE: for the KDA kernels of a forward without a cache (training). fla's are Triton kernels already (nothing for Inductor to fuse; fla wraps most of them
     in torch.compiler.disable itself), and the CPU's chunked reference reads every packed document's length back to
     the host, which inside a compiled layer would compile it again for every new packing."""
     return fn(*args, **kwargs)
@@ -283,8 +283,10 @@ class KimiDeltaAttention(nn.Module):
             o = o.view(B, T, H, K)
         else:
             init = state.recurrent if state is not None else None
-            o, final = outside_graph(kda, q, k, v, g, beta, initial_state=init, output_final_state=state is not None,
-                                     **args)
+            kw = dict(initial_state=init, output_final_state=state is not None, **args)
+            # with a cache (decode, cached prefill) the kernel stays traceable: the compiled decode step
+            # (serve/static.py) traces whole on the CPU
+            o, final = kda(q, k, v, g, beta, **kw) if state is not None else outside_graph(kda, q, k, v, g, beta, **kw)
             if state is not None:
                 state.recurrent = final
         return self.output(o, x)

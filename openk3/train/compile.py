@@ -12,9 +12,10 @@ How (each choice is checked on the CPU by tests/train/test_compile.py):
 - Each region's `forward` (`head`) is replaced by its compiled form as an attribute of the module instance, not by
   wrapping the module: parameter and state_dict names stay the same (no `_orig_mod.`), and module hooks (FSDP2's,
   which `fully_shard` adds after this) still run eagerly around the compiled code.
-- `fullgraph=False`: the KDA kernels (fla's, or the CPU's chunked reference) run outside the graphs
-  (`model.outside_graph`), as do the router records (`ForwardContext.add_router`) and, in fp32, the grouped MoE
-  matmul (torch.compile traces torch._grouped_mm in bf16 only: `ops.moe_experts`); each is a graph break.
+- `fullgraph=False`: the KDA kernels (fla's, or the CPU's chunked reference) of a forward without a cache run
+  outside the graphs (`model.outside_graph`), as do the router records (`ForwardContext.add_router`) and, in fp32,
+  the grouped MoE matmul (torch.compile traces torch._grouped_mm in bf16 only: `ops.moe_experts`); each is a graph
+  break.
 - `dynamic=None` (not False): a region compiles for the shapes it first sees, and when one changes (a packed batch's
   number of documents, its longest document on CUDA, a --seq-len-schedule phase) compiles once more with that size
   symbolic. NOTE: dynamic=False would compile again for every new packing.
