@@ -1,6 +1,7 @@
 """Training speed of openk3 against transformers' KimiLinear on the same weights, in one process (issue #11).
 
-    python bench/vs_transformers.py                       # kimi-linear-1.5b, 8 x 2048 tokens, every run
+    python bench/vs_transformers.py                       # kimi-linear-1.5b, 8 x 2048 tokens, the default runs
+    python bench/vs_transformers.py --runs openk3_bf16_adamw,openk3_bf16_adamw_compiled,openk3_recipe_compiled
     python bench/vs_transformers.py --runs openk3_bf16_adamw --profile
     python bench/vs_transformers.py --ablate              # + what each K3 feature costs, one at a time
 
@@ -15,6 +16,10 @@ Runs:
   openk3_recipe      openk3's own recipe: fp32 master weights, bf16 autocast, Muon (per-head) + AdamW
   openk3_packed      openk3_bf16_adamw on the same tokens packed as 4 documents a row (cu_seqlens)
   openk3_k3_features the `k3-1.5b` preset (every K3 feature, QAT off) with the recipe; `_qat` with MXFP4 QAT on
+  openk3_bf16_adamw_compiled, openk3_recipe_compiled
+                     the same as openk3_bf16_adamw / openk3_recipe with the decoder layers and the loss head
+                     torch.compile'd (Inductor, openk3/train/compile.py); not in the default --runs (not yet run on
+                     a GPU): their first step includes the compile, and they report the graphs each step compiled
 With --ablate, `kimi-linear-1.5b` plus one K3 feature at a time (bf16 weights, AdamW).
 
 MFU counts 6 x active non-embedding parameters per token plus causal attention and the KDA recurrence
@@ -44,10 +49,12 @@ from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from openk3.ops import select_kda_backend, select_moe_backend  # noqa: E402
 from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
+from openk3.train.compile import compile_layers, compiled_graphs  # noqa: E402
 from openk3.train.optim import build_optimizer, model_head_dims  # noqa: E402
 
-RUNS = ("transformers", "openk3_bf16_adamw", "openk3_recipe", "openk3_packed", "openk3_k3_features",
-        "openk3_k3_features_qat")
+DEFAULT_RUNS = ("transformers", "openk3_bf16_adamw", "openk3_recipe", "openk3_packed", "openk3_k3_features",
+                "openk3_k3_features_qat")
+RUNS = DEFAULT_RUNS + ("openk3_bf16_adamw_compiled", "openk3_recipe_compiled")
 
 
 def ablations(base):
@@ -77,16 +84,20 @@ def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -
     """Run args.warmup + args.steps training steps; medians over the timed ones, plus the first step's time."""
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
     first = None
+    graphs = []  # graphs torch.compile compiled during each step (all zero for an eager run)
 
     def step():
         return timed_step(forward_loss, opt, CUDA)
 
     for i in range(args.warmup + args.steps):
+        before = compiled_graphs()
         loss, dts = step()
+        graphs.append(compiled_graphs() - before)
         if i == 0:
             first = dts[-1]
         print(f"  [{name}] step {i} {dts[-1] * 1e3:.0f} ms (fwd {dts[0] * 1e3:.0f}, bwd {dts[1] * 1e3:.0f}, "
-              f"opt {dts[2] * 1e3:.0f}) loss {loss:.4f}", flush=True)
+              f"opt {dts[2] * 1e3:.0f}) loss {loss:.4f}" + (f", {graphs[-1]} graphs compiled" if graphs[-1] else ""),
+              flush=True)
         if i >= args.warmup:
             for key, dt in zip(phases, dts):
                 phases[key].append(dt)
@@ -94,6 +105,8 @@ def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -
     res = {"first_step_s": first, "step_s": med["step"], "forward_s": med["forward"], "backward_s": med["backward"],
            "optimizer_s": med["optimizer"], "tokens_per_s": args.batch_size * args.seq_len / med["step"],
            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "last_loss": loss}
+    if any(graphs):
+        res["graphs_compiled_per_step"] = graphs
     if profile_to is not None:
         res["profile_top"] = profile_step(step, profile_to / f"{name}.profile.txt")
     return res
@@ -127,7 +140,7 @@ def fused_adamw(model) -> torch.optim.AdamW:
 
 
 def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool, qat: bool, ids, args,
-               profile_to) -> dict:
+               profile_to, compile: bool = False) -> dict:
     torch.manual_seed(0)
     if ckpt is not None:
         model = load_pretrained(ckpt, device="cuda", dtype=torch.float32 if recipe else torch.bfloat16, qat=qat)
@@ -137,6 +150,8 @@ def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool,
         if not recipe:
             model.cast(torch.bfloat16)
     model.train()
+    if compile:  # before the optimizer, as `openk3 train --compile` orders it
+        compile_layers(model, "inductor")
     opt = build_optimizer(model, lr=1e-4, head_dims=model_head_dims(model.config)) if recipe else fused_adamw(model)
     B, T = ids.shape
     labels = ids.roll(-1, 1)
@@ -220,7 +235,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="kimi-linear-1.5b")
     ap.add_argument("--features-config", default="k3-1.5b")
-    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     ap.add_argument("--ablate", action="store_true", help="also each K3 feature alone on top of --config")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -291,8 +306,10 @@ def main() -> None:
                 todo.append((name, lambda fc=fc, qat=qat, n=name: openk3_run(n, None, fc, True, False, qat, ids, args,
                                                                              prof_dir)))
             else:
-                todo.append((name, lambda n=name: openk3_run(n, ckpt, config, n == "openk3_recipe",
-                                                             n == "openk3_packed", False, ids, args, prof_dir)))
+                base = name.removesuffix("_compiled")
+                todo.append((name, lambda n=name, b=base: openk3_run(n, ckpt, config, b == "openk3_recipe",
+                                                                     b == "openk3_packed", False, ids, args, prof_dir,
+                                                                     compile=n != b)))
         if args.ablate:
             for feat, fc in ablations(config).items():
                 n = f"ablate_{feat}"

@@ -63,6 +63,15 @@ def recomputed(fn, *args):
     return fn(*args)
 
 
+@torch.compiler.disable
+def outside_graph(fn, *args, **kwargs):
+    """fn(*args, **kwargs), run eagerly when a torch.compile'd region calls it (a graph break; train/compile.py).
+    NOTE: for the KDA kernels of a forward without a cache (training). fla's are Triton kernels already (nothing for Inductor to fuse; fla wraps most of them
+    in torch.compiler.disable itself), and the CPU's chunked reference reads every packed document's length back to
+    the host, which inside a compiled layer would compile it again for every new packing."""
+    return fn(*args, **kwargs)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight with fp32 statistics, in x's dtype. F.rms_norm is one op (a fused
     kernel where torch has one) and on the CPU bit-identical to the three-op formula."""
@@ -276,12 +285,15 @@ class KimiDeltaAttention(nn.Module):
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
         if cu_seqlens is not None:
             # varlen ops take one packed row: [1, B*T, ...]
-            o, _ = kda(q.flatten(0, 1)[None], k.flatten(0, 1)[None], v.flatten(0, 1)[None], g.flatten(0, 1)[None],
-                       beta.flatten(0, 1)[None], cu_seqlens=cu_seqlens, **args)
+            o, _ = outside_graph(kda, q.flatten(0, 1)[None], k.flatten(0, 1)[None], v.flatten(0, 1)[None],
+                                 g.flatten(0, 1)[None], beta.flatten(0, 1)[None], cu_seqlens=cu_seqlens, **args)
             o = o.view(B, T, H, K)
         else:
             init = state.recurrent if state is not None else None
-            o, final = kda(q, k, v, g, beta, initial_state=init, output_final_state=state is not None, **args)
+            kw = dict(initial_state=init, output_final_state=state is not None, **args)
+            # with a cache (decode, cached prefill) the kernel stays traceable: the compiled decode step
+            # (serve/static.py) traces whole on the CPU
+            o, final = kda(q, k, v, g, beta, **kw) if state is not None else outside_graph(kda, q, k, v, g, beta, **kw)
             if state is not None:
                 state.recurrent = final
         return self.output(o, x)
@@ -296,17 +308,17 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.H, self.K
         qkv_in = self.qkv_proj(x)
         tail = state.conv if state is not None else None
-        qkv = kda_fused.conv_silu(qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
+        qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, final = kda_fused.chunk_gated(q, k, v, self.decay_input(x), beta, self.A_log.float(),
-                                         self.dt_bias.float(), self.lower_bound, K ** -0.5, cu_seqlens,
-                                         initial_state=state.recurrent if state is not None else None)
+        o, final = outside_graph(kda_fused.chunk_gated, q, k, v, self.decay_input(x), beta, self.A_log.float(),
+                                 self.dt_bias.float(), self.lower_bound, K ** -0.5, cu_seqlens,
+                                 initial_state=state.recurrent if state is not None else None)
         if state is not None:
             state.conv = self.conv_tail(tail, qkv_in)
             state.recurrent = final
             state.inputs = None
-        o = kda_fused.gated_rms_norm(o, self.output_gate(x), self.o_norm.weight, self.o_norm.eps)
+        o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
@@ -539,14 +551,15 @@ class MoE(nn.Module):
             self.shared_experts = MLP(config, D, config.moe_intermediate_size * config.num_shared_experts)
         self.act = glu_activation(config)
 
-    def forward(self, x: Tensor, qat: bool = False, router_stats: list | None = None) -> Tensor:
+    def forward(self, x: Tensor, qat: bool = False, record=None) -> Tensor:
         """x [..., D] -> [..., D]. `qat`: MXFP4 fake-quant of the expert weights + MXFP8 of their inputs (spec
-        section 5). `router_stats`, when given, gets this layer's (scores [T, E] fp32, topk_idx [T, k]), detached."""
+        section 5). `record`, when given, is called with this layer's (scores [T, E] fp32, topk_idx [T, k])
+        (`ForwardContext.add_router`)."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         idx, w, scores = self.gate(x_TD)
-        if router_stats is not None:
-            router_stats.append((scores.detach(), idx.detach()))
+        if record is not None:
+            record(scores, idx)
         z = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         if qat:
             z = fake_quant_mxfp8(z)
@@ -584,9 +597,11 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNormWeight(D)
             self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
-    def ffn(self, x: Tensor, qat: bool = False, router_stats: list | None = None) -> Tensor:
+    def ffn(self, x: Tensor, ctx: "ForwardContext | None" = None) -> Tensor:
+        """The dense MLP or the MoE of this layer; `ctx` (default: none) gives QAT and the router records."""
         if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(x, qat=qat, router_stats=router_stats)
+            ctx = ForwardContext() if ctx is None else ctx
+            return self.block_sparse_moe(x, qat=ctx.qat, record=ctx.add_router if ctx.record_router else None)
         return self.mlp(x)
 
     def mixer(self, x: Tensor, ctx: "ForwardContext", layer_cache) -> Tensor:
@@ -599,11 +614,11 @@ class DecoderLayer(nn.Module):
             ctx: "ForwardContext") -> Tensor:
         """The AttnRes mix before the mixer ("attn") or the FFN ("mlp"); its mean mixing weight of each source goes
         to ctx.attnres["<layer>.<name>"] when the forward records them."""
-        record = ctx.attnres is not None
+        record = ctx.record_attnres
         out = recomputed(attnres_mix, bank + [prefix], norm.weight, proj.weight.view(-1), self.eps, record)
         if record:
             out, w = out
-            ctx.attnres[f"{self.i}.{name}"] = w.detach().float().flatten(1).mean(1)
+            ctx.add_attnres(f"{self.i}.{name}", w)
         return out
 
     def forward(self, prefix: Tensor | None, bank: list[Tensor], dtype: torch.dtype, ctx: "ForwardContext",
@@ -616,7 +631,7 @@ class DecoderLayer(nn.Module):
         if self.block_size is None:
             h = prefix
             h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
-            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router), bank
+            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx), bank
         h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, "attn", ctx) if bank \
             else prefix
         if self.i % self.block_size == 0:
@@ -625,7 +640,7 @@ class DecoderLayer(nn.Module):
         a = self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
         prefix = a.to(h.dtype) if prefix is None else prefix + a
         h = self.mix(prefix, bank, self.mlp_res_norm, self.mlp_res_proj, "mlp", ctx)
-        return prefix + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx.qat, ctx.router), bank
+        return prefix + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx), bank
 
 
 class RMSNormWeight(nn.Module):
@@ -650,6 +665,22 @@ class ForwardContext:
     keep_inputs: bool = False  # KDA layers leave their per-token inputs in their state
     router: list[tuple[Tensor, Tensor]] | None = None  # filled per MoE layer when recording
     attnres: dict[str, Tensor] | None = None  # filled per AttnRes mix when recording
+    # Whether `router` / `attnres` are being filled. NOTE: the layers read these flags and fill the records through
+    # add_router / add_attnres, never touching the list or dict themselves: torch.compile guards a list or dict a
+    # compiled layer reads on its length and keys, which differ from layer to layer, so every layer would compile
+    # a graph of its own (train/compile.py).
+    record_router: bool = False
+    record_attnres: bool = False
+
+    @torch.compiler.disable
+    def add_router(self, scores: Tensor, idx: Tensor) -> None:
+        """Record one MoE layer's router scores [T, E] fp32 and selected experts [T, k], detached."""
+        self.router.append((scores.detach(), idx.detach()))
+
+    @torch.compiler.disable
+    def add_attnres(self, key: str, w: Tensor) -> None:
+        """Record the mean mixing weight of each source [S] (fp32, detached) of the AttnRes mix `key`."""
+        self.attnres[key] = w.detach().float().flatten(1).mean(1)
 
 
 @dataclass
@@ -789,8 +820,10 @@ class K3ForCausalLM(nn.Module):
             bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)][0].item()
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.vocab_size})")
         B, T = input_ids.shape
+        record_attnres = record_attnres and c.attn_res
         ctx = ForwardContext(absorb=absorb, qat=self.qat, keep_inputs=keep_inputs, router=[] if record else None,
-                             attnres={} if record_attnres and c.attn_res else None)
+                             attnres={} if record_attnres else None, record_router=record,
+                             record_attnres=record_attnres)
         if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError("cu_seqlens (packed training batches) and a decode cache cannot be combined")
@@ -824,26 +857,33 @@ class K3ForCausalLM(nn.Module):
                             c.rms_norm_eps, return_weights=ctx.attnres is not None)
             if ctx.attnres is not None:
                 h, w = h
-                ctx.attnres["output"] = w.detach().float().flatten(1).mean(1)
+                ctx.add_attnres("output", w)
         else:
             h = prefix
         if logits_to_keep > 0:
             if labels is not None:
                 raise ValueError(f"logits_to_keep={logits_to_keep} cannot be combined with labels (the loss needs all)")
             h = h[:, -logits_to_keep:]
-        h = self.model.norm(h.to(dtype))
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
         if loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {loss_chunk}")
-        if labels is not None and 0 < loss_chunk < B * T:
-            loss = chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), loss_chunk)
-            return CausalLMOutput(logits=None, loss=loss, router=ctx.router, attnres=ctx.attnres)
+        logits, loss = self.head(h.to(dtype), labels, loss_chunk)
+        return CausalLMOutput(logits=logits, loss=loss, router=ctx.router, attnres=ctx.attnres)
+
+    def head(self, h: Tensor, labels: Tensor | None, loss_chunk: int) -> tuple[Tensor | None, Tensor | None]:
+        """The final norm, lm_head and the fp32 loss: h [B, T, D] in the compute dtype -> (logits [B, T, V], mean
+        cross-entropy over labels != -100, or None without labels). With 0 < loss_chunk < B*T tokens and labels,
+        the loss comes chunk by chunk (`chunked_cross_entropy`) and the logits are None. One method, so that
+        train/compile.py can compile it as one region."""
+        h = self.model.norm(h)
+        if labels is not None and 0 < loss_chunk < labels.numel():
+            return None, chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), loss_chunk)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)  # fp32 loss
-        return CausalLMOutput(logits=logits, loss=loss, router=ctx.router, attnres=ctx.attnres)
+        return logits, loss
 
     # ---- helpers
     def moe_layers(self) -> list[MoE]:

@@ -24,7 +24,8 @@ from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
 from openk3.ops.moe_gemv import gemv_applies, gemv_supported, moe_experts_gemv
 
-__all__ = ["KDABackend", "MoEBackend", "moe_experts", "select_kda_backend", "select_moe_backend"]
+__all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "moe_experts", "select_kda_backend",
+           "select_moe_backend"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,16 @@ class MoEBackend:
     reason: str
     fn: object
     small: object = None
+
+
+_CHOSEN: dict[tuple, MoEBackend] = {}  # what moe_experts has looked up so far (see the NOTE there)
+
+
+def forget_moe_backends() -> None:
+    """Choose again on the next call (tests that change the environment): `select_moe_backend`'s cache and
+    `_CHOSEN` both."""
+    _CHOSEN.clear()
+    select_moe_backend.cache_clear()
 
 
 @functools.cache
@@ -68,8 +79,20 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`); a
     decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them."""
-    backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
+    # NOTE: a plain dict lookup first: dynamo traces the body of the functools.cache'd select_moe_backend (and its
+    # CUDA capability query) on every call from a compiled layer (train/compile.py); a dict lookup traces to a constant
+    key = (x_TD.device.type, x_TD.dtype, os.environ.get("OPENK3_MOE_BACKEND"), os.environ.get("OPENK3_MOE_GEMV"))
+    backend = _CHOSEN.get(key)
+    if backend is None:
+        backend = _CHOSEN[key] = select_moe_backend(*key[:2])
     args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
     if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
         return backend.small(*args)
+    if backend.fn is moe_experts_grouped and x_TD.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # NOTE: torch.compile traces torch._grouped_mm in bf16 only (ops/moe.py); a compiled fp32 model (the CPU's,
+        # train/compile.py) runs the same grouped kernel outside the graph (a graph break), not a different backend
+        return _grouped_outside_graph(*args, weight_fn=weight_fn)
     return backend.fn(*args, weight_fn=weight_fn)
+
+
+_grouped_outside_graph = torch.compiler.disable(moe_experts_grouped)

@@ -105,7 +105,7 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> tupl
     fp32/fp16 (and bf16 below sm90) through the same per-group loop, which needs compute
     capability 8.0+ (from pytorch/pytorch PRs #161407 and #162059, not yet measured on a GPU).
     NOTE: torch.compile only traces bf16 here (the fake-tensor rule of aten._grouped_mm
-    rejects other dtypes), so compiled fp32 models must use moe_experts_loop.
+    rejects other dtypes): `openk3.ops.moe_experts` runs it outside the graph for other dtypes.
     NOTE: every dimension a grouped matmul reads along must be a multiple of 16 bytes
     (D and F multiples of 4 in fp32, of 8 in bf16); moe_experts_grouped checks the shapes.
     """

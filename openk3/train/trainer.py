@@ -61,6 +61,8 @@ from openk3.parallel.context import ContextParallel, apply_context_parallel, loc
 from openk3.parallel.dcp import dcp_to_release_into, load_release_sharded, load_sharded, save_sharded
 from openk3.parallel.expert import apply_expert_parallel, finish_expert_gradients_
 from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_sharded_
+from openk3.train.compile import BACKENDS as COMPILE_BACKENDS
+from openk3.train.compile import compile_layers
 from openk3.parallel.mesh import (DistEnv, ParallelDims, build_cp_mesh, build_ep_mesh, build_mesh, init_distributed,
                                   rows_of_rank, under_torchrun)
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
@@ -139,6 +141,9 @@ class TrainArgs:
     # FSDP2 mixed precision: parameters gathered in bf16 for compute, fp32 masters and gradient reduction, the
     # release's fp32 tensors kept fp32 (parallel/fsdp.py); instead of --dtype bf16's autocast
     fsdp_bf16: bool = False
+    # torch.compile backend of the decoder layers and the loss head (train/compile.py: "inductor" fuses their
+    # elementwise chains); None = eager. Evaluation and the final sample always run eagerly.
+    compile: str | None = None
 
 
 # Settings that define the math of a run: `--resume` refuses to change them.
@@ -146,7 +151,7 @@ FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "init_from", "ba
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
-PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep", "cp")
+PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep", "cp", "compile")
 BALANCE_MODES = ("quantile", "sign", "none")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
@@ -196,6 +201,8 @@ def check_args(a: TrainArgs) -> None:
         raise ValueError("--dtype=bf16 runs under CUDA autocast; it needs --device cuda")
     if a.stop_at is not None and not 1 <= a.stop_at <= a.steps:
         raise ValueError(f"--stop-at={a.stop_at}: must be in [1, --steps={a.steps}]")
+    if a.compile is not None and a.compile not in COMPILE_BACKENDS:
+        raise ValueError(f"--compile={a.compile!r}: expected one of {COMPILE_BACKENDS}")
     if a.threads < 1:
         raise ValueError(f"--threads={a.threads}: must be >= 1")
     if a.config not in PRESETS and not Path(a.config).is_file() and not Path(a.config, "config.json").is_file():
@@ -907,6 +914,10 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         dp_rank = cp_mesh["dp"].get_local_rank()
     if args.activation_checkpointing:  # before FSDP: torchtitan's order (parallel/__init__.py)
         apply_activation_checkpointing(model)
+    if args.compile is not None:  # after activation checkpointing, before FSDP: torchtitan's order
+        compiled = compile_layers(model, args.compile)
+        print(f"  torch.compile ({args.compile}): {compiled['regions']} regions (the decoder layers, the loss head); "
+              f"they compile during the first step")
     expert_params, ep_mesh = [], None
     if dist_env is not None:  # EP, then FSDP2 over the dp x cp ranks (parallel/); the optimizer sees the shards
         if args.ep > 1:
@@ -1040,8 +1051,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
                       "elapsed_s": elapsed_before + time.time() - t_run, **router_metrics(model, loads),
                       "attnres": attnres_metrics(attnres)}
             if eval_now:
-                ev = evaluate(model, data.val, data.tokenizer, batch_size=args.batch_size, seq_len=stream.seq_len,
-                              max_tokens=args.eval_tokens, amp=args.dtype, loss_chunk=args.loss_chunk)
+                with eager_stance(args):
+                    ev = evaluate(model, data.val, data.tokenizer, batch_size=args.batch_size, seq_len=stream.seq_len,
+                                  max_tokens=args.eval_tokens, amp=args.dtype, loss_chunk=args.loss_chunk)
                 record.update(val_loss=ev["loss"], val_bpb=ev["bpb"])
                 result.final_eval = ev
                 bar.write(f"step {step}: train loss {loss:.4f}, val loss {ev['loss']:.4f}, val bpb {ev['bpb']:.4f}")
@@ -1063,17 +1075,27 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     bar.close()
 
     if vision and step == args.steps:
-        result.vision_eval = synthetic.attribute_accuracy(model, data.tokenizer, n_images=args.vision_eval_images)
+        with eager_stance(args):
+            result.vision_eval = synthetic.attribute_accuracy(model, data.tokenizer,
+                                                              n_images=args.vision_eval_images)
         write_json(run_dir / "vision_eval.json", result.vision_eval)
     elif args.sample and step == args.steps and dist_env is not None:
         print(f"no sample in a data-parallel run: `openk3 generate --model {run_dir}` samples from its checkpoint")
     elif args.sample and step == args.steps:
-        ids = generate(model, data.tokenizer, args.sample_prompt, max_tokens=args.sample_tokens,
-                       temperature=args.sample_temperature, seed=args.seed)
+        with eager_stance(args):
+            ids = generate(model, data.tokenizer, args.sample_prompt, max_tokens=args.sample_tokens,
+                           temperature=args.sample_temperature, seed=args.seed)
         result.sample = args.sample_prompt + data.tokenizer.decode(ids)
     result.wall_s = time.time() - t_start
     print_summary(result, step, args)
     return result
+
+
+def eager_stance(args: TrainArgs):
+    """Run the compiled regions of a --compile run eagerly inside this context: evaluation (no_grad) and sampling
+    (a growing decode cache) would each compile every layer again for shapes and modes the training steps never
+    use."""
+    return torch.compiler.set_stance("force_eager") if args.compile is not None else contextlib.nullcontext()
 
 
 def router_metrics(model: K3ForCausalLM, loads: list[Tensor]) -> dict:
@@ -1177,6 +1199,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp-bf16", action="store_true", default=None,
                    help="data parallel: FSDP2 computes with bf16 copies of the parameters (fp32 masters, fp32 "
                         "gradient reduction), instead of --dtype bf16's autocast")
+    p.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS,
+                   help="torch.compile the decoder layers and the loss (train/compile.py); the first step compiles "
+                        "[off; --compile alone: inductor]")
     p.add_argument("--dp", type=int, help="data-parallel ranks of the mesh; --dp x --cp must equal the number of "
                                           "processes [processes / --cp]")
     p.add_argument("--cp", type=int, help="context-parallel ranks: each takes a contiguous slice of every row "

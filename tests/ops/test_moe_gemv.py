@@ -156,7 +156,7 @@ def test_interpreted_model_forward_runs_the_kernels_and_matches(monkeypatch, fre
     with torch.no_grad():
         logits = model(ids).logits
         monkeypatch.setenv("OPENK3_MOE_GEMV", "0")
-        ops.select_moe_backend.cache_clear()
+        ops.forget_moe_backends()
         logits_grouped = model(ids).logits
     assert len(calls) == len(model.moe_layers())
     assert rel_norm_err(logits, logits_grouped) < 1e-5
@@ -237,9 +237,9 @@ def test_moe_experts_sends_only_decode_sized_forwards_to_the_small_path(monkeypa
 
 @pytest.fixture
 def fresh_backend_choice():
-    ops.select_moe_backend.cache_clear()
+    ops.forget_moe_backends()
     yield
-    ops.select_moe_backend.cache_clear()
+    ops.forget_moe_backends()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on the CPU")
@@ -250,11 +250,11 @@ def test_backend_choice_says_whether_it_has_the_small_path(monkeypatch, fresh_ba
     for value, error, match in [("yes", ValueError, "OPENK3_MOE_GEMV='yes'"),
                                 ("1", RuntimeError, "OPENK3_MOE_GEMV=1 but the GEMV kernels cannot run here")]:
         monkeypatch.setenv("OPENK3_MOE_GEMV", value)
-        ops.select_moe_backend.cache_clear()
+        ops.forget_moe_backends()
         with pytest.raises(error, match=match):
             ops.select_moe_backend("cpu", torch.bfloat16)
     monkeypatch.setenv("OPENK3_MOE_GEMV", "0")
-    ops.select_moe_backend.cache_clear()
+    ops.forget_moe_backends()
     assert "OPENK3_MOE_GEMV=0" in ops.select_moe_backend("cpu", torch.float32).reason
 
 
