@@ -7,8 +7,8 @@ reason that `openk3 info --backends` prints; call sites never try/except.
   (env OPENK3_MOE_BACKEND=grouped|loop overrides; asking for `grouped` where it cannot run is an error).
   On top of either, decode-sized forwards (T*K <= moe_gemv.GEMV_MAX_SLOTS slots, no grad) run the Triton GEMV
   kernels of moe_gemv.py where they run (CUDA with triton installed); env OPENK3_MOE_GEMV=0 turns them off (the
-  old path, for comparison), =1 makes it an error when they cannot run. That per-call size test is the only
-  branch at the call (`moe_experts`).
+  old path, for comparison), =1 makes it an error when they cannot run. At the call (`moe_experts`) two tests
+  remain: that size test, and, inside torch.compile, whether a non-bf16 grouped matmul must run outside the graph.
 """
 
 from __future__ import annotations
@@ -38,24 +38,28 @@ class MoEBackend:
     small: object = None
 
 
+MOE_ENV, GEMV_ENV = "OPENK3_MOE_BACKEND", "OPENK3_MOE_GEMV"
+
 _CHOSEN: dict[tuple, MoEBackend] = {}  # what moe_experts has looked up so far (see the NOTE there)
 
 
 def forget_moe_backends() -> None:
-    """Choose again on the next call (tests that change the environment): `select_moe_backend`'s cache and
-    `_CHOSEN` both."""
+    """Choose again on the next call (tests that replace the choice): `_select`'s cache and `_CHOSEN` both."""
     _CHOSEN.clear()
-    select_moe_backend.cache_clear()
+    _select.cache_clear()
+
+
+def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
+    """The MoE backend for this device type and dtype under the environment's overrides (module docstring)."""
+    return _select(device_type, dtype, os.environ.get(MOE_ENV), os.environ.get(GEMV_ENV))
 
 
 @functools.cache
-def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
-    requested = os.environ.get("OPENK3_MOE_BACKEND")
+def _select(device_type: str, dtype: torch.dtype, requested: str | None, gemv_requested: str | None) -> MoEBackend:
     if requested not in (None, "", "grouped", "loop"):
-        raise ValueError(f"OPENK3_MOE_BACKEND={requested!r}: expected 'grouped' or 'loop'")
-    gemv_requested = os.environ.get("OPENK3_MOE_GEMV")
+        raise ValueError(f"{MOE_ENV}={requested!r}: expected 'grouped' or 'loop'")
     if gemv_requested not in (None, "", "0", "1"):
-        raise ValueError(f"OPENK3_MOE_GEMV={gemv_requested!r}: expected '0' (off) or '1' (required)")
+        raise ValueError(f"{GEMV_ENV}={gemv_requested!r}: expected '0' (off) or '1' (required)")
     ok, why = grouped_mm_supported(torch.device(device_type), dtype)
     if requested == "loop":
         name, reason, fn = "loop", "OPENK3_MOE_BACKEND=loop", moe_experts_loop
@@ -79,12 +83,12 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`); a
     decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them."""
-    # NOTE: a plain dict lookup first: dynamo traces the body of the functools.cache'd select_moe_backend (and its
+    # NOTE: a plain dict lookup first: dynamo traces the body of the functools.cache'd _select (and its
     # CUDA capability query) on every call from a compiled layer (train/compile.py); a dict lookup traces to a constant
-    key = (x_TD.device.type, x_TD.dtype, os.environ.get("OPENK3_MOE_BACKEND"), os.environ.get("OPENK3_MOE_GEMV"))
+    key = (x_TD.device.type, x_TD.dtype, os.environ.get(MOE_ENV), os.environ.get(GEMV_ENV))
     backend = _CHOSEN.get(key)
     if backend is None:
-        backend = _CHOSEN[key] = select_moe_backend(*key[:2])
+        backend = _CHOSEN[key] = _select(*key)
     args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
     if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
         return backend.small(*args)

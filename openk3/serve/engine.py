@@ -14,9 +14,10 @@ thread, they only append to queues that the next step drains. One `step()`:
   2. admits waiting requests in arrival order while the batch has room and the pool can promise each its worst
      case (prompt + max_tokens tokens of pages, less what the prefix cache shares), evicting cached prefixes if
      needed. An admitted request starts at its deepest prefix hit: shared MLA pages, a copy of the KDA checkpoint;
-  3. prefills at most `prefill_chunk` prompt tokens, one request at a time (B = 1 forwards that write the latents
-     into the request's pages; chunks also end at KDA checkpoint boundaries). A request whose prompt is done
-     samples its first token and joins the decode batch;
+  3. prefills at most `prefill_chunk` prompt tokens (forwards that write the latents into the requests' pages;
+     chunks also end at KDA checkpoint boundaries); requests at the head of the queue whose chunks have the same
+     length run as one batched forward. A request whose prompt is done samples its first token and joins the
+     decode batch;
   4. decodes one token for every running request in one batched forward over the ragged batch (absorbed MLA
      reading the pages, recurrent KDA), or with a draft model one speculative round: k draft tokens, one target
      forward over k + 1 tokens, rejection sampling, KDA rollback from the kept per-token inputs.
@@ -67,8 +68,8 @@ class EngineConfig:
     `fast_decode`: decode through the static step (static.py, docs/engine.md "Fast decode path": KDA slot pool,
     fixed-width page tables, batched device sampler); None = on CUDA only. `cuda_graphs`: capture that step as
     CUDA graphs per batch bucket; None = whenever it can be (`capture_problem`; `stats()["decode_path"]` says
-    what runs). `compile_decode`: torch.compile that step first (fast path only; off by default: not yet
-    measured on a GPU)."""
+    what runs). `compile_decode`: torch.compile that step first (fast path only, not with a draft model; off by
+    default: every batch bucket compiles on first use; measured in docs/engine.md)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -172,6 +173,10 @@ class Engine:
         if config.compile_decode and not self.fast:
             raise ValueError("EngineConfig.compile_decode=True compiles the fast decode path's step; it needs "
                              f"fast_decode (fast_decode={config.fast_decode}, model on {device})")
+        if config.compile_decode and draft is not None:
+            # a speculative round runs the draft and the target through `_forward`, never the static step
+            raise ValueError("EngineConfig.compile_decode=True with a draft model: speculative decoding does not run "
+                             "the compiled decode step; drop one of the two")
         self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
                                   compile=config.compile_decode)
         self.model, self.pool = self.target.model, self.target.pool
@@ -425,30 +430,32 @@ class Engine:
             end = (start // ci + 1) * ci
         return end
 
-    def _prefill_group(self, budget: int) -> list[Request]:
-        """The requests at the head of the prefill queue that run as one forward: the first, and after it every next
-        one whose chunk has the same length while the budget lasts (one forward of [G, T] instead of G forwards of
-        [1, T]: equal-length prompts, long prompts in chunks of `prefill_chunk`). A request with images runs alone."""
+    def _prefill_group(self, budget: int) -> tuple[list[Request], int]:
+        """The requests at the head of the prefill queue that run as one forward, and their chunk length T: the first,
+        and after it every next one whose chunk has the same length while the budget lasts (one forward of [G, T]
+        instead of G forwards of [1, T]). That groups equal-length prompts that fit the budget together (and chunks
+        cut at the same checkpoint boundary), not long prompts: the first one's chunk takes the whole budget. A
+        request with images runs alone."""
         head = self.prefilling[0]
         T = self._chunk_end(head, budget) - head.seq.length
         group = [head]
         if head.images:
-            return group
+            return group, T
         for req in self.prefilling[1:]:
             if (budget - len(group) * T < T or req.images
                     or self._chunk_end(req, budget - len(group) * T) - req.seq.length != T):
                 break
             group.append(req)
-        return group
+        return group, T
 
     def _prefill(self, outputs: list[StepOutput]) -> None:
         budget = self.cfg.prefill_chunk
         ci = self.cfg.checkpoint_interval if self.prefix is not None else None
         while self.prefilling and budget > 0:
-            group = self._prefill_group(budget)
+            group, T = self._prefill_group(budget)
             req = group[0]
             start = req.seq.length
-            end = self._chunk_end(req, budget)
+            end = start + T
             try:
                 slots = self._image_slots(req, start, end)
             except torch.OutOfMemoryError:
@@ -461,7 +468,6 @@ class Engine:
                     torch.cuda.empty_cache()
                 continue
             images = {} if slots is None else {"image_features": slots}  # (a text request calls _forward as before)
-            T = end - start
             # one forward for the group: its rows' KDA states side by side, split back to each request after
             states = req.kda if len(group) == 1 else cat_kda_states(*(r.kda for r in group))
             logits = self._forward(self.model, self.pool, [r.seq for r in group], states,

@@ -61,12 +61,12 @@ from openk3.parallel.context import ContextParallel, apply_context_parallel, loc
 from openk3.parallel.dcp import dcp_to_release_into, load_release_sharded, load_sharded, save_sharded
 from openk3.parallel.expert import apply_expert_parallel, finish_expert_gradients_
 from openk3.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_sharded_
-from openk3.train.compile import BACKENDS as COMPILE_BACKENDS
-from openk3.train.compile import compile_layers
 from openk3.parallel.mesh import (DistEnv, ParallelDims, build_cp_mesh, build_ep_mesh, build_mesh, init_distributed,
                                   rows_of_rank, under_torchrun)
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
+from openk3.train.compile import BACKENDS as COMPILE_BACKENDS
+from openk3.train.compile import compile_layers
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
 from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims, qk_clip_mla_

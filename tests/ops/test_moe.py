@@ -107,3 +107,24 @@ def test_bad_inputs_raise():
         moe_experts_loop(x, torch.where(topk_idx == 2, 3, topk_idx), topk_w, w1, w2, w3, swiglu)
     with pytest.raises(ValueError, match="share one dtype"):
         moe_experts_grouped(x, topk_idx, topk_w, w1.bfloat16(), w2, w3, swiglu)
+
+
+def test_moe_experts_follows_the_environment_without_being_told(monkeypatch):
+    """The backend `moe_experts` runs is chosen again when OPENK3_MOE_BACKEND / OPENK3_MOE_GEMV change, even after a
+    first call cached a choice (it is keyed on them), and a bad value is an error naming it."""
+    from openk3 import ops
+    moe = random_moe(5, 16, 8, 4, 2, [0, 1, 2, 3])
+    monkeypatch.delenv("OPENK3_MOE_BACKEND", raising=False)
+    monkeypatch.delenv("OPENK3_MOE_GEMV", raising=False)
+    want = ops.moe_experts(*moe, swiglu)  # the default choice, now cached
+    calls = []
+
+    def loop_spy(*args, **kw):
+        calls.append(1)
+        return moe_experts_loop(*args, **kw)
+    monkeypatch.setattr(ops, "moe_experts_loop", loop_spy)
+    monkeypatch.setenv("OPENK3_MOE_BACKEND", "loop")
+    assert rel_norm_err(ops.moe_experts(*moe, swiglu), want) < 1e-6 and calls == [1]
+    monkeypatch.setenv("OPENK3_MOE_GEMV", "bogus")
+    with pytest.raises(ValueError, match="OPENK3_MOE_GEMV='bogus'"):
+        ops.moe_experts(*moe, swiglu)

@@ -82,12 +82,28 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 4e-2}
                                           (2, 4, 4, situ_k3)])  # E = K: every token uses every expert
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_interpreted_gemv_matches_loop(T, K, E, act, dtype):
-    D, F = 48, 40  # not powers of two, nor multiples of the tiles: masked edges in both kernels
+    D, F = 48, 40  # not powers of two (with the default tiles each reduction runs once, without a masked tail)
     inputs = random_moe(T, D, F, E, K, dtype, seed=T * 10 + K)
     with torch.no_grad():
         y = moe_gemv.moe_experts_gemv(*inputs, act)
         y_loop = moe_experts_loop(*inputs, act)
     assert y.dtype == dtype and y.shape == (T, D)
+    assert rel_norm_err(y, y_loop) < TOLERANCE[dtype]
+
+
+@interpreted_only
+@pytest.mark.parametrize("D, F", [(50, 37), (70, 45)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_gemv_tiles_with_tails(D, F, dtype):
+    """Small tiles (4 F rows x 16 of D in kernel 1, 8 D rows x 16 of F in kernel 2): every reduction loops several
+    times and ends in a masked tail, and the row tiles too; non-contiguous x and weights (strided views)."""
+    x, idx, w, w1, w2, w3 = random_moe(3, D, F, 5, 2, dtype, seed=D + F)
+    x_strided = torch.stack([x, x], dim=-1).flatten(1)[:, ::2]  # the same values, stride 2
+    w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)  # [E, D, F] with F-major storage
+    assert not x_strided.is_contiguous() and torch.equal(x_strided, x) and torch.equal(w2_t, w2)
+    with torch.no_grad():
+        y = moe_gemv.moe_experts_gemv(x_strided, idx, w, w1, w2_t, w3, swiglu, blocks=(4, 16, 8, 16))
+        y_loop = moe_experts_loop(x, idx, w, w1, w2, w3, swiglu)
     assert rel_norm_err(y, y_loop) < TOLERANCE[dtype]
 
 
@@ -224,7 +240,9 @@ def test_moe_experts_sends_only_decode_sized_forwards_to_the_small_path(monkeypa
     calls = []
     backend = ops.MoEBackend("grouped", "test", lambda *a, weight_fn=None: calls.append("fn") or a[0],
                              small=lambda *a: calls.append("small") or a[0])
-    monkeypatch.setattr(ops, "select_moe_backend", lambda device_type, dtype: backend)
+    # NOTE: moe_experts reads _CHOSEN before _select: an earlier test's CPU fp32 choice would bypass the patch
+    monkeypatch.setattr(ops, "_CHOSEN", {})
+    monkeypatch.setattr(ops, "_select", lambda *key: backend)
     small = random_moe(2, 16, 8, 4, 4, torch.float32, seed=2)
     big = random_moe(GEMV_MAX_SLOTS // 4 + 1, 16, 8, 4, 4, torch.float32, seed=2)
     with torch.no_grad():

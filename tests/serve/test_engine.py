@@ -464,19 +464,22 @@ def poison(engine: Engine, victim, after: int) -> None:
     engine._forward = poisoned
 
 
+@pytest.mark.parametrize("lengths", [(4, 3, 5), (4, 4, 4)], ids=["ragged", "one-prefill-group"])
 @pytest.mark.parametrize("after", [0, 3])
-def test_nan_logits_fail_only_their_request(after):
+def test_nan_logits_fail_only_their_request(after, lengths):
     """NaN logits in one row (at prefill or mid-decode) end that request with finish_reason "error" and a reason;
-    the batch around it decodes on exactly as without it, and the engine takes new requests."""
+    the batch around it decodes on exactly as without it, and the engine takes new requests. Equal lengths: the
+    three prompts prefill as one forward, the poisoned row inside it."""
     model = small_model("k3")
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=8))
-    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=16))
+    prompts = [list(range(5 + 10 * i, 5 + 10 * i + n)) for i, n in enumerate(lengths)]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())  # sampled: NaN would raise
     clean = [r.output for r in Engine(model, EngineConfig(page_size=4, num_pages=300)).generate(prompts, params)]
     reqs = [engine.submit(p, params) for p in prompts]
     poison(engine, reqs[1], after)
     while engine.has_work():
         engine.step()
+    assert engine.counters["prefill_forwards"] == (1 if len(set(lengths)) == 1 else 3)
     assert reqs[1].finish_reason == "error" and "NaN" in reqs[1].error and len(reqs[1].output) == after
     assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
     assert engine.pool.reserved == 0 and not engine.running
@@ -498,6 +501,18 @@ def test_equal_length_chunks_prefill_as_one_forward(fast):
     cold = [[rng.randrange(256) for _ in range(20)] for _ in range(2)]
     reqs = engine.generate([hit] + cold, SamplingParams(max_tokens=4, **GREEDY))
     assert reqs[0].cached_tokens == 24 and engine.counters["prefill_forwards"] - forwards == 1
+    for r in reqs:
+        check_against_full_forward(model, r)
+    # KDA checkpoints written from a group's rows: four 20-token prompts prefill together, cut at the checkpoint
+    # boundaries 8 and 16 (three forwards); each, extended, resumes at its own checkpoint at 20
+    ckpt = Engine(model, EngineConfig(page_size=4, num_pages=400, max_batch=8, prefill_chunk=64, hash_interval=4,
+                                      checkpoint_interval=8, fast_decode=fast))
+    firsts = ckpt.generate([[rng.randrange(256) for _ in range(20)] for _ in range(4)],
+                           SamplingParams(max_tokens=1, **GREEDY))
+    assert ckpt.counters["prefill_forwards"] == 3
+    reqs = ckpt.generate([r.prompt + [rng.randrange(256) for _ in range(5)] for r in firsts],
+                         SamplingParams(max_tokens=3, **GREEDY))
+    assert [r.cached_tokens for r in reqs] == [20] * 4
     for r in reqs:
         check_against_full_forward(model, r)
     # eight 8-token prompts fill the 64-token budget: one forward; eight 10-token ones take four (6 x 10, the 7th's
@@ -523,3 +538,5 @@ def test_compile_decode_flag_compiles_the_fast_step():
         assert engine.fast == compiled
         if compiled:
             assert engine.target.decoder.run is not engine.target.decoder._run
+    with pytest.raises(ValueError, match="draft model"):
+        Engine(small_model("k3"), EngineConfig(page_size=4, num_pages=50, **compile_settings(ns)), draft=small_model("k3"))
