@@ -62,18 +62,18 @@ def _select(device_type: str, dtype: torch.dtype, requested: str | None, gemv_re
         raise ValueError(f"{GEMV_ENV}={gemv_requested!r}: expected '0' (off) or '1' (required)")
     ok, why = grouped_mm_supported(torch.device(device_type), dtype)
     if requested == "loop":
-        name, reason, fn = "loop", "OPENK3_MOE_BACKEND=loop", moe_experts_loop
+        name, reason, fn = "loop", f"{MOE_ENV}=loop", moe_experts_loop
     elif requested == "grouped" and not ok:
-        raise RuntimeError(f"OPENK3_MOE_BACKEND=grouped but grouped matmuls cannot run here: {why}")
+        raise RuntimeError(f"{MOE_ENV}=grouped but grouped matmuls cannot run here: {why}")
     elif ok:
         name, reason, fn = "grouped", why, moe_experts_grouped
     else:
         name, reason, fn = "loop", why, moe_experts_loop
     gemv_ok, gemv_why = gemv_supported(torch.device(device_type), dtype)
     if gemv_requested == "0":
-        return MoEBackend(name, f"{reason}; OPENK3_MOE_GEMV=0: no GEMV path", fn)
+        return MoEBackend(name, f"{reason}; {GEMV_ENV}=0: no GEMV path", fn)
     if gemv_requested == "1" and not gemv_ok:
-        raise RuntimeError(f"OPENK3_MOE_GEMV=1 but the GEMV kernels cannot run here: {gemv_why}")
+        raise RuntimeError(f"{GEMV_ENV}=1 but the GEMV kernels cannot run here: {gemv_why}")
     if gemv_ok:
         return MoEBackend(name, f"{reason}; {gemv_why}", fn, small=moe_experts_gemv)
     return MoEBackend(name, f"{reason}; no GEMV path: {gemv_why}", fn)

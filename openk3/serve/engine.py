@@ -182,6 +182,8 @@ class Engine:
         self.model, self.pool = self.target.model, self.target.pool
         self.device, self.dtype = self.target.device, self.target.dtype
         self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None
+        # where prefill chunks stop for a KDA checkpoint (none without a prefix cache to keep them in)
+        self.checkpoint_interval = config.checkpoint_interval if self.prefix is not None else None
         self.drafter: ModelRunner | None = None
         self.draft = self.draft_pool = None
         if draft is not None:
@@ -203,8 +205,8 @@ class Engine:
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # the decode batch; row b of the runners' batch states is running[b]
         self.counters = dict(steps=0, prefill_tokens=0, prefill_forwards=0, decode_tokens=0, prefill_seconds=0.0,
-                             decode_seconds=0.0,
-                             spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0, images_encoded=0)
+                             decode_seconds=0.0, spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0,
+                             images_encoded=0)
 
     # ---- the API a server uses
     def submit(self, prompt: list[int], params: SamplingParams | None = None, *, cache_salt: str | None = None,
@@ -423,7 +425,7 @@ class Engine:
     def _chunk_end(self, req: Request, budget: int) -> int:
         """Where this step's prefill chunk of `req` ends: at most `budget` tokens on, and never past the next KDA
         checkpoint boundary (the state exists only there)."""
-        ci = self.cfg.checkpoint_interval if self.prefix is not None else None
+        ci = self.checkpoint_interval
         n, start = len(req.prompt), req.seq.length
         end = min(n, start + budget)
         if ci is not None and (start // ci + 1) * ci < end:
@@ -450,7 +452,6 @@ class Engine:
 
     def _prefill(self, outputs: list[StepOutput]) -> None:
         budget = self.cfg.prefill_chunk
-        ci = self.cfg.checkpoint_interval if self.prefix is not None else None
         while self.prefilling and budget > 0:
             group, T = self._prefill_group(budget)
             req = group[0]
@@ -482,15 +483,15 @@ class Engine:
             self.counters["prefill_forwards"] += 1
             done = {id(r) for r, ok in zip(group, finite) if not ok}
             for b, (req, ok) in enumerate(zip(group, finite)):
-                if ok and self._prefilled(req, logits[b, -1], ci, outputs):
+                if ok and self._prefilled(req, logits[b, -1], outputs):
                     done.add(id(req))
             self.prefilling = [r for r in self.prefilling if id(r) not in done]
 
-    def _prefilled(self, req: Request, logits_V: Tensor, ci: int | None, outputs: list[StepOutput]) -> bool:
+    def _prefilled(self, req: Request, logits_V: Tensor, outputs: list[StepOutput]) -> bool:
         """After a prefill chunk of `req` (its last logits `logits_V`): publish it to the prefix cache, and if it was
         the prompt's last chunk, sample the first token and move the request to the decode batch (or end it).
         -> whether the request's prefill is over."""
-        n, end = len(req.prompt), req.seq.length
+        n, end, ci = len(req.prompt), req.seq.length, self.checkpoint_interval
         if self.prefix is not None:
             if ci is not None and end % ci == 0 and end < n:
                 self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
