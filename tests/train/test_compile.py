@@ -192,3 +192,15 @@ def test_train_compile_flag(tmp_path):
     assert list(a) == list(b)
     with pytest.raises(ValueError, match="--compile='nope'"):
         check_args(args_for(work, "bad", compile="nope"))
+
+
+def test_compile_default_is_inductor_for_one_cuda_process_only():
+    """`openk3 train`'s --compile default (trainer.compile_backend): Inductor for a text model in one CUDA process,
+    eager on the CPU, under torchrun and for a vision config; "off" and an explicit backend are taken as given."""
+    from openk3.train.trainer import TrainArgs, compile_backend
+    assert compile_backend(TrainArgs(device="cuda", config="tiny"), distributed=False) == "inductor"
+    assert compile_backend(TrainArgs(device="cuda", config="tiny"), distributed=True) is None
+    assert compile_backend(TrainArgs(device="cpu", config="tiny"), distributed=False) is None
+    assert compile_backend(TrainArgs(device="cuda", config="tiny-vl"), distributed=False) is None
+    assert compile_backend(TrainArgs(device="cuda", config="tiny", compile="off"), distributed=False) is None
+    assert compile_backend(TrainArgs(device="cpu", config="tiny", compile="aot_eager"), distributed=False) == "aot_eager"
