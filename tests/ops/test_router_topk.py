@@ -1,0 +1,118 @@
+"""The router's selection kernel (openk3/ops/router_topk.py) against `Router.forward`'s eager chain.
+
+On the CPU the kernel runs in Triton's interpreter, in a child pytest started with TRITON_INTERPRET=1 (the
+`test_interpreted_*` tests); skipped without triton (CI has none). The GPU tests run the real kernel.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from openk3.config import tiny
+from openk3.model.model import Router
+from openk3.ops import router_topk
+from openk3.ops.moe import route
+from openk3.ops.router_topk import route_kernel_applies, route_topk
+
+needs_triton = pytest.mark.skipif(router_topk.triton is None, reason="triton is not installed")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+INTERPRETED = router_topk.INTERPRET
+interpreted_only = pytest.mark.skipif(not INTERPRETED,
+                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
+
+
+def eager_chain(logits, bias, k, renorm, scale):
+    """Router.forward after its matmul, as written there without the kernel."""
+    s = torch.sigmoid(logits)
+    idx = route(s, bias, k)
+    w = s.gather(-1, idx)
+    if renorm:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w * scale if scale != 1 else w, s
+
+
+def check_against_eager(device, T, E, k, renorm, scale, saturate=False):
+    g = torch.Generator().manual_seed(1000 * E + 10 * k + T)
+    logits = torch.randn(T, E, generator=g) * 3
+    if saturate:  # the sigmoid's ends: half a row at exactly 1.0 in fp32 (the bias alone orders them), a row ~1e-13
+        logits[0, : E // 2] = 200.0
+        logits[-1] = -30.0 + torch.rand(E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    logits, bias = logits.to(device), bias.to(device)
+    ref_idx, ref_w, s = eager_chain(logits, bias, k, renorm, scale)
+    assert route_kernel_applies(s, k)
+    idx, w = route_topk(s, bias, k, renorm, scale)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(w, ref_w, rtol=4e-7, atol=0)
+
+
+CASES = [(1, 32, 4, True, 1.0), (5, 32, 4, False, 2.5), (3, 8, 2, True, 1.0), (2, 896, 16, True, 1.0),
+         (4, 63, 5, True, 0.7)]
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETED, reason="this is the child")
+def test_kernels_under_the_interpreter():
+    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (set before triton's import)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted_",
+                            __file__], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                           timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+@interpreted_only
+@pytest.mark.parametrize("T,E,k,renorm,scale", CASES)
+def test_interpreted_kernel_equals_eager_chain(T, E, k, renorm, scale):
+    check_against_eager("cpu", T, E, k, renorm, scale)
+
+
+@interpreted_only
+def test_interpreted_saturated_scores():
+    check_against_eager("cpu", 3, 32, 4, True, 1.0, saturate=True)
+
+
+@interpreted_only
+def test_interpreted_router_module_uses_kernel_without_grad_only():
+    """Router.forward: the kernel's result under no_grad equals the eager chain's (autograd, which runs it), and
+    under autograd the scores keep their graph to the router weight."""
+    cfg = tiny()
+    torch.manual_seed(0)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_(0, 0.05)
+    x = torch.randn(6, cfg.hidden_size)
+    idx, w, s = router(x)  # grad on: the eager chain
+    assert s.requires_grad
+    with torch.no_grad():
+        idx2, w2, s2 = router(x)
+    assert torch.equal(idx2, idx) and torch.equal(s2, s.detach())
+    torch.testing.assert_close(w2, w.detach(), rtol=4e-7, atol=0)
+
+
+def test_applies_only_where_it_can_run():
+    logits = torch.randn(2, 32)
+    if not INTERPRETED:
+        assert not route_kernel_applies(logits, 4)  # the CPU without the interpreter
+    assert not route_kernel_applies(logits.double(), 4)
+    assert not route_kernel_applies(logits, 33)
+    assert not route_kernel_applies(logits.requires_grad_(), 4)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,renorm,scale", CASES + [(64, 32, 4, True, 1.0), (8192, 32, 4, True, 1.0)])
+def test_gpu_kernel_equals_eager_chain(T, E, k, renorm, scale):
+    check_against_eager("cuda", T, E, k, renorm, scale)
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_saturated_scores():
+    check_against_eager("cuda", 3, 32, 4, True, 1.0, saturate=True)
