@@ -18,14 +18,15 @@ FAMILIES = ["k3", "kimi-linear"]
 
 
 class CountMatmuls(TorchDispatchMode):
-    """Counts the aten.mm calls (every Linear of a [B, T, D] input is one) of the ops run inside it."""
+    """Counts the matmuls of the Linear calls run inside it: aten.mm under autograd or no_grad (a Linear's
+    decomposition), aten.linear itself under inference_mode (which skips the decomposition)."""
 
     def __init__(self):
         super().__init__()
         self.mm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.mm += func is torch.ops.aten.mm.default
+        self.mm += func in (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
         return func(*args, **(kwargs or {}))
 
 
