@@ -22,7 +22,7 @@ in 32 stacks, 337 MiB in bf16, 11.9% of its 1.49e9 parameters; `FusedProjections
 tensor, because training (FSDP2, the optimizer, checkpoints) sees exactly the modules' own parameters. The engine
 shares its model with RL training, where the optimizer updates the weights in place between engine steps, and a CUDA
 graph captured once replays reading the stacked weight's address; so `refresh` copies INTO the same tensor, for each
-stack whose sources' (data_ptr, _version, dtype, device) changed (the `Experts.on_mxfp4_grid` idiom): a
+stack whose sources' (data_ptr, _version) changed (the `Experts.on_mxfp4_grid` idiom): a
 `load_state_dict`, an optimizer step or any in-place write under no_grad bumps `_version`. NOTE: a write through
 `p.data` (`p.data.add_(...)`) does not: `.data` has a version counter of its own; call `refresh(force=True)` after one.
 The stacks are read only inside `applied()` (which refreshes them first) and outside autograd (`torch.is_grad_enabled()`
@@ -72,13 +72,17 @@ class FusedStack(FusedLinears):
     another tensor (`load_state_dict(assign=True)`, `.data =`) is followed too."""
 
     linears: list[nn.Linear] = field(default_factory=list)
-    key: tuple | None = None  # the sources' (data_ptr, _version, dtype, device) at the last copy
+    key: tuple | None = None  # the sources' (data_ptr, _version) at the last copy
 
     def sources(self) -> list[Tensor]:
-        return [lin.weight for lin in self.linears]
+        # NOTE: `_parameters` rather than `lin.weight`: nn.Module's __getattr__ costs ~0.8 us a call on this CPU,
+        # and refresh reads every source before every forward
+        return [lin._parameters["weight"] for lin in self.linears]
 
     def source_key(self) -> tuple:
-        return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in self.sources())
+        """A new dtype or device is a new tensor, so a new data_ptr: (data_ptr, _version) sees every change that
+        (data_ptr, _version, dtype, device) would, at half the cost (`refresh` checks dtype and device when it copies)."""
+        return tuple((w.data_ptr(), w._version) for w in self.sources())
 
 
 @dataclass
