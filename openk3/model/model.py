@@ -315,7 +315,7 @@ class KimiDeltaAttention(nn.Module):
         if backend.fused and (state is None or (T > 1 and not keep_inputs)):
             return self.forward_fused(x, cu_seqlens, state)
         outs = fused_outputs(self, x)
-        qkv = self.qkv_proj(x, outs)
+        qkv = self.qkv_proj(x) if outs is None else outs["qkv"]
         q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None, outs)
         if state is not None:
             state.conv = self.conv_tail(state.conv, qkv)
@@ -346,7 +346,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.H, self.K
         outs = fused_outputs(self, x)
-        qkv_in = self.qkv_proj(x, outs)
+        qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
         tail = state.conv if state is not None else None
         qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
@@ -363,13 +363,11 @@ class KimiDeltaAttention(nn.Module):
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
     # context-parallel kernel.
-    def qkv_proj(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
-        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side; from `outs` when fused).
+    def qkv_proj(self, x: Tensor) -> Tensor:
+        """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side).
         NOTE: calls the three Linear modules (not one matmul over their stacked weights): FSDP2's bf16 policy shards
         each of them as its own unit, and only a module's own call gathers its weight. The inference-only fused
-        weight (`fused_outputs`) is a separate copy, never used under autograd."""
-        if outs is not None:
-            return outs["qkv"]
+        path (`fused_outputs`: a separate copy, never used under autograd) takes "qkv" from its one matmul instead."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def kernel_inputs(self, x: Tensor, qkv: Tensor, pos: Tensor | None, tail: Tensor | None,
