@@ -1,4 +1,4 @@
-"""Horizontal fusion of the input projections, for inference (issue #12; docs/engine.md "Fast decode path").
+"""Horizontal fusion of the input projections, for inference (issue #12; docs/engine.md "Fused input projections").
 
 A batch-1 decode step on the GPU is bound by kernel launches: every projection that reads the same input is its own
 GEMV of a few MB. This stacks, per module, the weights of the Linear submodules that read one input, so that the
@@ -18,16 +18,16 @@ kv_b_proj, the output projections).
     fused.unfuse()                    # detaches them
 
 NOTE: the stacked weights are COPIES: they cost the size of those weights again (kimi-linear-1.5b: 176.8e6 elements
-in 32 stacks, 337 MiB in bf16, 11.9% of its 1.49e9 parameters; `FusedProjections.numel`). A copy rather than parameters that are views into one stacked
-tensor, because training (FSDP2, the optimizer, checkpoints) sees exactly the modules' own parameters. The engine
-shares its model with RL training, where the optimizer updates the weights in place between engine steps, and a CUDA
-graph captured once replays reading the stacked weight's address; so `refresh` copies INTO the same tensor, for each
-stack whose sources' (data_ptr, _version) changed (the `Experts.on_mxfp4_grid` idiom): a
-`load_state_dict`, an optimizer step or any in-place write under no_grad bumps `_version`. NOTE: a write through
-`p.data` (`p.data.add_(...)`) does not: `.data` has a version counter of its own; call `refresh(force=True)` after one.
-The stacks are read only inside `applied()` (which refreshes them first) and outside autograd (`torch.is_grad_enabled()`
-False): any other forward of the model, and every forward under autograd, runs the modules, so it never reads a copy
-that may be stale and gradients reach the parameters as without fusion.
+in 32 stacks, 337 MiB in bf16, 11.9% of its 1.49e9 parameters; `FusedProjections.numel`). Copies rather than
+parameters that are views into one stacked tensor, so that training (FSDP2, the optimizer, checkpoints) sees exactly
+the modules' own parameters. The engine shares its model with RL training, where the optimizer updates the weights in
+place between engine steps, and a CUDA graph captured once replays reading a stack's address; so `refresh` copies
+INTO the same tensor, for each stack whose sources' (data_ptr, _version) changed (the `Experts.on_mxfp4_grid`
+idiom): a `load_state_dict`, an optimizer step or any in-place write under no_grad bumps `_version`. NOTE: a write
+through `p.data` (`p.data.add_(...)`) does not: `.data` has a version counter of its own; `refresh(force=True)`
+after one. The stacks are read only inside `applied()` (which refreshes them first) and outside autograd
+(`torch.is_grad_enabled()` False): any other forward of the model, and every forward under autograd, runs the
+modules, so it never reads a copy that may be stale, and gradients reach the parameters as without fusion.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class FusedStack(FusedLinears):
 
     def source_key(self) -> tuple:
         """A new dtype or device is a new tensor, so a new data_ptr: (data_ptr, _version) sees every change that
-        (data_ptr, _version, dtype, device) would, at half the cost (`refresh` checks dtype and device when it copies)."""
+        (data_ptr, _version, dtype, device) would, at half the cost (`refresh` checks dtype and device when it
+        copies)."""
         return tuple((w.data_ptr(), w._version) for w in self.sources())
 
 

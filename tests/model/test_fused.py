@@ -53,7 +53,8 @@ def chunks(V, seed=0):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_forward_matches_the_modules(family):
     """fp32: without a cache and over a cache (prefill chunks, decode steps) the fused forward is the unfused one
-    to fp32 rounding (GEMMs of other shapes round differently), with exactly one matmul per stack instead of one per projection."""
+    to fp32 rounding (GEMMs of other shapes round differently), with exactly one matmul per stack instead of one per
+    projection."""
     model = small_model(family)
     V = model.config.vocab_size
     fused = fuse_projections(model)
@@ -79,7 +80,8 @@ def test_fused_forward_in_bf16(family):
     model = small_model(family).cast(torch.bfloat16)
     fused = fuse_projections(model)
     assert all(s.weight.dtype == torch.bfloat16 for _, s in fused.stacks)
-    for got, want in zip(run(model, chunks(model.config.vocab_size), fused), run(model, chunks(model.config.vocab_size))):
+    V = model.config.vocab_size
+    for got, want in zip(run(model, chunks(V), fused), run(model, chunks(V))):
         assert rel_err(got, want) < 3e-2
 
 
