@@ -131,7 +131,7 @@ def fused_outputs(module: nn.Module, x: Tensor) -> dict[str, Tensor] | None:
     matmuls horizontally). None without an active `FusedLinears` or under autograd: the caller then runs the
     modules themselves, so training, gradients and FSDP2 (which gathers a module's weight only in its own call) never
     see the copy. NOTE: the outputs are views into one [..., sum(sizes)] tensor."""
-    fused = getattr(module, "fused_linears", None)
+    fused = module.fused_linears
     if fused is None or not fused.active or torch.is_grad_enabled():
         return None
     return dict(zip(fused.keys, F.linear(x, fused.weight).split(fused.sizes, dim=-1)))
@@ -144,6 +144,10 @@ def project(module: nn.Module, key: str, x: Tensor, outs: dict[str, Tensor] | No
 
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x), up(x))). The dense first layers and the (fused) shared experts."""
+
+    # inference-only stacked input projections (openk3/model/fused.py); a class default, so the unfused path's lookup
+    # is a plain attribute read (a missing attribute costs ~2 us through nn.Module.__getattr__ on this CPU)
+    fused_linears: FusedLinears | None = None
 
     def __init__(self, config: K3Config, hidden: int, inter: int):
         super().__init__()
@@ -252,6 +256,9 @@ ABSORB_MAX_TOKENS = 16
 class KimiDeltaAttention(nn.Module):
     """KDA (spec 2.1): short conv + SiLU on q, k, v; L2-normed q, k; per-channel decay g; delta rule;
     per-head RMSNorm gated by a sigmoid output gate."""
+
+    # inference-only stacked input projections (openk3/model/fused.py); see MLP
+    fused_linears: FusedLinears | None = None
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -393,6 +400,9 @@ class GatedMLA(nn.Module):
     """Multi-head latent attention without positions (NoPE), with an optional sigmoid output gate (spec 2.2).
 
     The "rope" part of q and k is never rotated; k_pe is one 64-wide key shared by all heads."""
+
+    # inference-only stacked input projections (openk3/model/fused.py); see MLP
+    fused_linears: FusedLinears | None = None
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -581,6 +591,9 @@ class MoE(nn.Module):
     """Stable LatentMoE (K3, when `routed_expert_hidden_size` is set) or the plain Kimi-Linear MoE.
 
     LatentMoE: y = up(RMSNorm(sum_i w_i E_i(down(x)))) + Shared(x); plain: y = sum_i w_i E_i(x) + Shared(x)."""
+
+    # inference-only stacked input projections (openk3/model/fused.py); see MLP
+    fused_linears: FusedLinears | None = None
 
     def __init__(self, config: K3Config):
         super().__init__()
