@@ -110,8 +110,45 @@ def glu_activation(config: K3Config):
     return swiglu_any
 
 
+@dataclass
+class FusedLinears:
+    """Inference only (issue #12): a COPY of the weights of a module's Linear submodules that read the same input,
+    stacked [sum(sizes), in], and the output each part stands for (`keys`, widths `sizes`; a part may stack several
+    modules, as KDA's "qkv"). openk3/model/fused.py attaches it as `module.fused_linears` and keeps it in sync with
+    the parameters; `fused_outputs` reads it while it is `active`."""
+
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    weight: Tensor
+    # NOTE: True only during a forward of the engine's runner, which refreshes the copy first
+    # (`FusedProjections.applied`): any other forward of the model (an evaluation under no_grad right after an
+    # optimizer step) runs the modules and never reads a copy that may be stale
+    active: bool = False
+
+
+def fused_outputs(module: nn.Module, x: Tensor) -> dict[str, Tensor] | None:
+    """{key: output} of the module's input projections from ONE matmul over their stacked weights, then a split:
+    a batch-1 decode step is bound by kernel launches, one GEMV per projection (issue #12; Inductor does not merge
+    matmuls horizontally). None without an active `FusedLinears` or under autograd: the caller then runs the
+    modules themselves, so training, gradients and FSDP2 (which gathers a module's weight only in its own call) never
+    see the copy. NOTE: the outputs are views into one [..., sum(sizes)] tensor."""
+    fused = module.fused_linears
+    if fused is None or not fused.active or torch.is_grad_enabled():
+        return None
+    return dict(zip(fused.keys, F.linear(x, fused.weight).split(fused.sizes, dim=-1)))
+
+
+def project(module: nn.Module, key: str, x: Tensor, outs: dict[str, Tensor] | None) -> Tensor:
+    """`module.<key>(x)`, or its output taken from `outs` (`fused_outputs`) when there is one."""
+    return getattr(module, key)(x) if outs is None else outs[key]
+
+
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x), up(x))). The dense first layers and the (fused) shared experts."""
+
+    # inference-only stacked input projections (openk3/model/fused.py); a class default, so the unfused path's lookup
+    # is a plain attribute read (a missing attribute costs ~2 us through nn.Module.__getattr__ on this CPU)
+    fused_linears: FusedLinears | None = None
 
     def __init__(self, config: K3Config, hidden: int, inter: int):
         super().__init__()
@@ -120,8 +157,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.act = glu_activation(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
+        """`outs`: gate_proj's and up_proj's outputs from a fused matmul of the caller (a LatentMoE stacks them with
+        its down projection); default: this module's own `fused_outputs`, else its Linear calls."""
+        outs = fused_outputs(self, x) if outs is None else outs
+        return self.down_proj(self.act(project(self, "gate_proj", x, outs), project(self, "up_proj", x, outs)))
 
 
 # ------------------------------------------------------------------------------------ token mixers
@@ -218,6 +258,9 @@ class KimiDeltaAttention(nn.Module):
     """KDA (spec 2.1): short conv + SiLU on q, k, v; L2-normed q, k; per-channel decay g; delta rule;
     per-head RMSNorm gated by a sigmoid output gate."""
 
+    # inference-only stacked input projections (openk3/model/fused.py); see MLP
+    fused_linears: FusedLinears | None = None
+
     def __init__(self, config: K3Config):
         super().__init__()
         lac = config.linear_attn_config
@@ -244,22 +287,24 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(H * K, D, bias=False)
         self.full_rank_gate = lac.use_full_rank_gate
 
-    def decay_input(self, x: Tensor) -> Tensor:
+    # `outs` below: the projections of x from one fused matmul (`fused_outputs`), or None for the modules' own calls.
+    def decay_input(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """The low-rank projection f [B, T, H, K] the decay gate is computed from (x's dtype)."""
-        return self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.H, self.K))
+        return self.f_b_proj(project(self, "f_a_proj", x, outs)).unflatten(-1, (self.H, self.K))
 
-    def output_gate(self, x: Tensor) -> Tensor:
+    def output_gate(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """The sigmoid output gate's input [B, T, H, K] (full-rank in K3, low-rank in Kimi-Linear)."""
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = project(self, "g_proj", x, outs) if self.full_rank_gate else \
+            self.g_b_proj(project(self, "g_a_proj", x, outs))
         return gate.unflatten(-1, (self.H, self.K))
 
     def conv_weight(self) -> Tensor:
         """The q, k, v short-conv weights stacked as one depthwise conv over the 3 H K channels [3HK, 1, W]."""
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
 
-    def decay(self, x: Tensor) -> Tensor:
+    def decay(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """Per-channel log-decay g [B, T, H, K] in fp32 (spec 2.1)."""
-        f = self.decay_input(x).float() + self.dt_bias.float().view(self.H, self.K)
+        f = self.decay_input(x, outs).float() + self.dt_bias.float().view(self.H, self.K)
         a = self.A_log.float().exp().view(self.H, 1)
         if self.lower_bound is not None:  # K3: bounded in (lb, 0) so exp of a 16-token cumsum stays in bf16 range
             return self.lower_bound * torch.sigmoid(a * f)
@@ -277,8 +322,9 @@ class KimiDeltaAttention(nn.Module):
         # `keep_inputs` (speculative rollback) needs the per-token inputs only the reference chain produces.
         if backend.fused and (state is None or (T > 1 and not keep_inputs)):
             return self.forward_fused(x, cu_seqlens, state)
-        qkv = self.qkv_proj(x)
-        q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None)
+        outs = fused_outputs(self, x)
+        qkv = self.qkv_proj(x) if outs is None else outs["qkv"]
+        q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None, outs)
         if state is not None:
             state.conv = self.conv_tail(state.conv, qkv)
             state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
@@ -297,7 +343,7 @@ class KimiDeltaAttention(nn.Module):
             o, final = kda(q, k, v, g, beta, **kw) if state is not None else outside_graph(kda, q, k, v, g, beta, **kw)
             if state is not None:
                 state.recurrent = final
-        return self.output(o, x)
+        return self.output(o, x, outs)
 
     def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None) -> Tensor:
         """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU, the
@@ -307,19 +353,20 @@ class KimiDeltaAttention(nn.Module):
         step (its fused=1 cases) and a chunked cached prefill against them on the GPU."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv_in = self.qkv_proj(x)
+        outs = fused_outputs(self, x)
+        qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
         tail = state.conv if state is not None else None
         qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
-        beta = torch.sigmoid(self.b_proj(x).float())
-        o, final = outside_graph(kda_fused.chunk_gated, q, k, v, self.decay_input(x), beta, self.A_log.float(),
+        beta = torch.sigmoid(project(self, "b_proj", x, outs).float())
+        o, final = outside_graph(kda_fused.chunk_gated, q, k, v, self.decay_input(x, outs), beta, self.A_log.float(),
                                  self.dt_bias.float(), self.lower_bound, K ** -0.5, cu_seqlens,
                                  initial_state=state.recurrent if state is not None else None)
         if state is not None:
             state.conv = self.conv_tail(tail, qkv_in)
             state.recurrent = final
             state.inputs = None
-        o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x), self.o_norm.weight, self.o_norm.eps)
+        o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
@@ -327,25 +374,26 @@ class KimiDeltaAttention(nn.Module):
     def qkv_proj(self, x: Tensor) -> Tensor:
         """[B, T, D] -> the conv inputs [B, T, 3 H K] (q, k, v projections side by side).
         NOTE: calls the three Linear modules (not one matmul over their stacked weights): FSDP2's bf16 policy shards
-        each of them as its own unit, and only a module's own call gathers its weight."""
+        each of them as its own unit, and only a module's own call gathers its weight. The inference-only fused
+        path (`fused_outputs`: a separate copy, never used under autograd) takes "qkv" from its one matmul instead."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def kernel_inputs(self, x: Tensor, qkv: Tensor, pos: Tensor | None,
-                      tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def kernel_inputs(self, x: Tensor, qkv: Tensor, pos: Tensor | None, tail: Tensor | None,
+                      outs: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The delta rule's q, k, v [B, T, H, K] (conv + SiLU of `qkv`, whose W-1 preceding inputs are `tail`),
         g [B, T, H, K] and beta [B, T, H] (both fp32)."""
         qkv_act = recomputed(causal_conv_silu, qkv, self.conv_weight(), pos, tail).to(x.dtype)
         q, k, v = (t.unflatten(-1, (self.H, self.K)) for t in qkv_act.split(self.H * self.K, dim=-1))
-        return q, k, v, self.decay(x), torch.sigmoid(self.b_proj(x).float())
+        return q, k, v, self.decay(x, outs), torch.sigmoid(project(self, "b_proj", x, outs).float())
 
     def conv_tail(self, tail: Tensor, qkv: Tensor) -> Tensor:
         """A cache's conv tail after this forward: the last W-1 raw projections of tail [B, W-1, 3HK] followed by
         qkv [B, T, 3HK], in the tail's dtype."""
         return torch.cat([tail, qkv[:, -(self.W - 1):].to(tail.dtype)], dim=1)[:, -(self.W - 1):]
 
-    def output(self, o: Tensor, x: Tensor) -> Tensor:
+    def output(self, o: Tensor, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """The delta rule's output o [B, T, H, K] -> [B, T, D]: per-head norm, sigmoid gate of x, o_proj."""
-        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x).float()).to(o.dtype)
+        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x, outs).float()).to(o.dtype)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
 
@@ -353,6 +401,9 @@ class GatedMLA(nn.Module):
     """Multi-head latent attention without positions (NoPE), with an optional sigmoid output gate (spec 2.2).
 
     The "rope" part of q and k is never rotated; k_pe is one 64-wide key shared by all heads."""
+
+    # inference-only stacked input projections (openk3/model/fused.py); see MLP
+    fused_linears: FusedLinears | None = None
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -375,14 +426,18 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * self.vd, D, bias=False)
         self.use_gate = config.mla_use_output_gate
 
-    def query(self, x: Tensor) -> Tensor:
+    # `outs` below: the projections of x from one fused matmul (`fused_outputs`), or None for the modules' own calls.
+    def query(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """[B, T, D] -> [B, T, H, nope + rope]."""
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        if hasattr(self, "q_b_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(project(self, "q_a_proj", x, outs)))
+        else:
+            q = project(self, "q_proj", x, outs)
         return q.unflatten(-1, (self.H, self.qd))
 
-    def latent(self, x: Tensor) -> Tensor:
+    def latent(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """[B, T, D] -> the cached values [B, T, r + rope] = [normed c | k_pe]."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)
+        c, k_pe = project(self, "kv_a_proj_with_mqa", x, outs).split([self.r, self.rope], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
     def attend_expanded(self, q: Tensor, lat: Tensor, mask: Tensor | None, causal: bool,
@@ -441,8 +496,9 @@ class GatedMLA(nn.Module):
         document) describes packed documents instead of `mask`, for the varlen flash kernel (bf16/fp16 on CUDA);
         where that cannot run, the mask is built from it."""
         B, T, _ = x.shape
-        q = self.query(x)
-        lat = self.latent(x)
+        outs = fused_outputs(self, x)
+        q = self.query(x, outs)
+        lat = self.latent(x, outs)
         if varlen is not None and (absorb or state is not None or not varlen_attention_runs(q)):
             mask, varlen = document_causal_mask(varlen[0], B, T), None
         if state is not None:
@@ -458,12 +514,12 @@ class GatedMLA(nn.Module):
             o = self.attend_absorbed(q, lat, mask)
         else:
             o = self.attend_expanded(q, lat, mask, causal=True, varlen=varlen)
-        return self.output(o, x)
+        return self.output(o, x, outs)
 
-    def output(self, o: Tensor, x: Tensor) -> Tensor:
+    def output(self, o: Tensor, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """Attention output o [B, T, H, vd] -> [B, T, D]: the sigmoid gate of x (when configured), o_proj."""
         if self.use_gate:
-            o = o * torch.sigmoid(self.g_proj(x).float()).unflatten(-1, (self.H, self.vd)).to(o.dtype)
+            o = o * torch.sigmoid(project(self, "g_proj", x, outs).float()).unflatten(-1, (self.H, self.vd)).to(o.dtype)
         return self.o_proj(o.flatten(-2))
 
 
@@ -539,6 +595,9 @@ class MoE(nn.Module):
 
     LatentMoE: y = up(RMSNorm(sum_i w_i E_i(down(x)))) + Shared(x); plain: y = sum_i w_i E_i(x) + Shared(x)."""
 
+    # inference-only stacked input projections (openk3/model/fused.py); see MLP
+    fused_linears: FusedLinears | None = None
+
     def __init__(self, config: K3Config):
         super().__init__()
         D, De = config.hidden_size, config.expert_dim
@@ -563,7 +622,10 @@ class MoE(nn.Module):
         idx, w, scores = self.gate(x_TD)
         if record is not None:
             record(scores, idx)
-        z = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        # a LatentMoE's fused matmul: its down projection and the shared experts' gate_proj and up_proj (all read
+        # x_TD; keys "routed_expert_down_proj", "gate_proj", "up_proj"). A plain MoE's shared experts fuse their own.
+        outs = fused_outputs(self, x_TD)
+        z = project(self, "routed_expert_down_proj", x_TD, outs) if self.latent else x_TD
         if qat:
             z = fake_quant_mxfp8(z)
         u = self.experts(z, idx, w, self.act, weight_fn=fake_quant_mxfp4 if qat else None)
@@ -572,7 +634,7 @@ class MoE(nn.Module):
                 u = self.routed_expert_norm(u)
             u = self.routed_expert_up_proj(u)
         if hasattr(self, "shared_experts"):
-            u = u + self.shared_experts(x_TD)
+            u = u + self.shared_experts(x_TD, outs)
         return u.view(shape)
 
 

@@ -69,7 +69,9 @@ class EngineConfig:
     fixed-width page tables, batched device sampler); None = on CUDA only. `cuda_graphs`: capture that step as
     CUDA graphs per batch bucket; None = whenever it can be (`capture_problem`; `stats()["decode_path"]` says
     what runs). `compile_decode`: torch.compile that step first (fast path only, not with a draft model; off by
-    default: every batch bucket compiles on first use; measured in docs/engine.md)."""
+    default: every batch bucket compiles on first use; measured in docs/engine.md). `fuse_projections`: compute each
+    module's input projections with one matmul over a stacked copy of their weights (fewer kernel launches a step;
+    the copies cost 12% of kimi-linear-1.5b's parameters again; openk3/model/fused.py); None = on CUDA only."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -82,6 +84,7 @@ class EngineConfig:
     fast_decode: bool | None = None
     cuda_graphs: bool | None = None
     compile_decode: bool = False
+    fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch", "prefill_chunk", "hash_interval", "num_draft_tokens"):
@@ -90,6 +93,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={v!r}: must be a positive integer")
         if not isinstance(self.num_pages, int) or self.num_pages < 2:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages!r}: must be at least 2")
+        if self.fuse_projections not in (None, True, False):
+            raise ValueError(f"EngineConfig.fuse_projections={self.fuse_projections!r}: must be None, True or False")
         ci = self.checkpoint_interval
         if ci is not None and (not isinstance(ci, int) or ci < 1 or ci % self.hash_interval):
             raise ValueError(f"EngineConfig.checkpoint_interval={ci!r}: must be None or a positive multiple of "
@@ -177,8 +182,9 @@ class Engine:
             # a speculative round runs the draft and the target through `_forward`, never the static step
             raise ValueError("EngineConfig.compile_decode=True with a draft model: speculative decoding does not run "
                              "the compiled decode step; drop one of the two")
+        fuse = config.fuse_projections if config.fuse_projections is not None else device.type == "cuda"
         self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
-                                  compile=config.compile_decode)
+                                  compile=config.compile_decode, fuse=fuse)
         self.model, self.pool = self.target.model, self.target.pool
         self.device, self.dtype = self.target.device, self.target.dtype
         self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None
@@ -193,7 +199,8 @@ class Engine:
             if draft.lm_head.weight.device != self.device:
                 raise ValueError(f"draft is on {draft.lm_head.weight.device}, target on {self.device}")
             # the draft decodes through `_forward` (speculation), so its slots only keep its states in place
-            self.drafter = ModelRunner(draft, config.num_pages, config.page_size, slots=slots)
+            # its own fusion (an early-exit draft's modules are its own, reading the target's parameter tensors)
+            self.drafter = ModelRunner(draft, config.num_pages, config.page_size, slots=slots, fuse=fuse)
             self.draft, self.draft_pool = self.drafter.model, self.drafter.pool
         # Positions a speculative round may write past the last kept token (its worst case is reserved too).
         self.lookahead = config.num_draft_tokens if draft is not None else 0

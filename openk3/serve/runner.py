@@ -21,9 +21,12 @@ reading slot `rows[b]` in place; joining and leaving only assign slots, and `dec
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor
 
+from openk3.model.fused import FusedProjections, fuse_projections
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, new_kda_states, paged_cache,
                                 rollback_kda, select_kda_rows)
@@ -39,16 +42,20 @@ class ModelRunner:
     no batch statistics; `recomputed` checks torch.is_grad_enabled(), not the mode)."""
 
     def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int, slots: int | None = None,
-                 graphs: bool = False, compile: bool | str = False):
+                 graphs: bool = False, compile: bool | str = False, fuse: bool = False):
         """slots: run the fast decode path with a KDA slot pool for that many running sequences (None: the
         general path); graphs: capture its steps as CUDA graphs (CUDA only); compile: torch.compile the step
-        first (True, or a torch.compile backend name; `StaticDecoder`)."""
+        first (True, or a torch.compile backend name; `StaticDecoder`); fuse: compute each module's input
+        projections with one matmul over a stacked copy of their weights (openk3/model/fused.py), refreshed before
+        every forward so that in-place weight updates (RL, `Engine.load_weights`) are seen."""
         self.model = model
+        self.fused: FusedProjections | None = fuse_projections(model) if fuse else None
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
         self.slots = SlotPool(model.config, slots, self.device, self.dtype) if slots is not None else None
-        self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile) if slots is not None else None
+        self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
+            if slots is not None else None
         self.rows: list[int] = []  # fast path: the slot of each row of the decode batch
         self.kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
         if self.slots is not None:
@@ -69,8 +76,10 @@ class ModelRunner:
         cache = paged_cache(self.pool, kda, seqs, T)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         images = {} if image_features is None else {"image_features": image_features}
-        logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating,
-                            **images).logits
+        # fused projections refreshed first: the weights may have changed in place since the last forward
+        with self.fused.applied() if self.fused is not None else nullcontext():
+            logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating,
+                                **images).logits
         for s in seqs:
             s.length += T
         return logits.float()

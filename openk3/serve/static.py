@@ -24,10 +24,13 @@ requests join and leave between steps.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor
 
 from openk3.config import K3Config
+from openk3.model.fused import FusedProjections
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import select_moe_backend
@@ -160,9 +163,10 @@ class StaticDecoder:
     """The fast decode step of one model over its page pool and KDA slot pool (module docstring)."""
 
     def __init__(self, model: K3ForCausalLM, pool: PagePool, slots: SlotPool, graphs: bool = False,
-                 compile: bool | str = False):
-        """compile: False, True (torch.compile's default backend, Inductor) or a torch.compile backend name."""
-        self.model, self.pool, self.slots = model, pool, slots
+                 compile: bool | str = False, fused: FusedProjections | None = None):
+        """compile: False, True (torch.compile's default backend, Inductor) or a torch.compile backend name.
+        fused: the model's fused input projections (openk3/model/fused.py), refreshed before every step."""
+        self.model, self.pool, self.slots, self.fused = model, pool, slots, fused
         self.device = pool.device
         problem = capture_problem(model) if graphs else None
         if problem is not None:
@@ -245,29 +249,32 @@ class StaticDecoder:
             buf = self.buffers[(B, P)] = StepBuffers(B, P, ps, self.device)
         greedy_only = all(p.greedy for p in params)
         key = (B, P, greedy_only)
-        if self.graphs and key not in self.captured:
-            self.captured[key] = self._capture(buf, greedy_only)
+        # NOTE: the fused projections are refreshed here, before capture and replay, never inside the graph or the
+        # compiled step: a replay reads the stacked weights at their captured addresses, which refresh writes in place
+        with self.fused.applied() if self.fused is not None else nullcontext():
+            if self.graphs and key not in self.captured:
+                self.captured[key] = self._capture(buf, greedy_only)
 
-        ints = torch.zeros(len(StepBuffers.INTS), B, dtype=torch.long)
-        ints[:, :n] = torch.tensor([
-            tokens, slots, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
-            [s.length % ps for s in seqs], [p.top_k for p in params], seeds, counters])
-        floats = torch.zeros(2, B, dtype=torch.float64)
-        floats[:, :n] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
-                                     dtype=torch.float64)
-        table = torch.zeros(B, P, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            table[b, :len(s.pages)] = torch.tensor(s.pages)
-        buf.ints.copy_(ints)
-        buf.floats.copy_(floats)
-        buf.table.copy_(table)
+            ints = torch.zeros(len(StepBuffers.INTS), B, dtype=torch.long)
+            ints[:, :n] = torch.tensor([
+                tokens, slots, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
+                [s.length % ps for s in seqs], [p.top_k for p in params], seeds, counters])
+            floats = torch.zeros(2, B, dtype=torch.float64)
+            floats[:, :n] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                                         dtype=torch.float64)
+            table = torch.zeros(B, P, dtype=torch.long)
+            for b, s in enumerate(seqs):
+                table[b, :len(s.pages)] = torch.tensor(s.pages)
+            buf.ints.copy_(ints)
+            buf.floats.copy_(floats)
+            buf.table.copy_(table)
 
-        if self.graphs:
-            graph, (out, logits) = self.captured[key]
-            graph.replay()
-            self.counters["graph_replays"] += 1
-        else:
-            out, logits = self.run(buf, greedy_only)
+            if self.graphs:
+                graph, (out, logits) = self.captured[key]
+                graph.replay()
+                self.counters["graph_replays"] += 1
+            else:
+                out, logits = self.run(buf, greedy_only)
         self.counters["static_steps"] += 1
         result = out[:, :n].cpu().tolist()  # the step's one host sync
         for s in seqs:
