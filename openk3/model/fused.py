@@ -131,7 +131,9 @@ class FusedProjections:
                 stack.active = False
 
     def unfuse(self) -> None:
-        """Detach every stacked weight from its module: the modules compute their projections one by one again."""
+        """Detach every stacked weight from its module: the modules compute their projections one by one again.
+        NOTE: a CUDA graph captured over the stacks still replays reading their addresses, freed once nothing else
+        holds them: forget such graphs (`StaticDecoder.forget_graphs`) first; the engine itself never unfuses."""
         for module, stack in self.stacks:
             if getattr(module, "fused_linears", None) is stack:
                 del module.fused_linears
