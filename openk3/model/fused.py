@@ -154,6 +154,11 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
         if not parts:
             continue
         linears = [lin for _, lins in parts for lin in lins]
+        if any(lin.weight.is_inference() for lin in linears):
+            raise ValueError(f"fuse_projections: the weights of {type(module).__name__} are inference tensors (the "
+                             "model was built or loaded under torch.inference_mode), which keep no version counter "
+                             "to refresh the copies by: build the model outside inference_mode, or pass "
+                             "EngineConfig(fuse_projections=False)")
         stack, first = getattr(module, "fused_linears", None), linears[0].weight
         # NOTE: a stack left by an earlier fusion is reused only while it can hold the weights: after a cast or a
         # move (which the earlier fusion's refresh refuses) this fusion gets a stack of its own

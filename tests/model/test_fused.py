@@ -148,6 +148,14 @@ def test_a_cast_after_fusing_is_an_error():
     assert all(getattr(m, "fused_linears", None) is None for m in model.modules())
 
 
+def test_inference_tensors_are_refused():
+    """Weights made under inference_mode keep no version counter (`refresh` could not see updates): a clear error."""
+    with torch.inference_mode():
+        model = small_model("kimi-linear")
+    with pytest.raises(ValueError, match=r"inference tensors .*\(fuse_projections=False\)"):
+        fuse_projections(model)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_autograd_never_reads_the_copies(family):
     """Under autograd inside `applied()` the modules run: the same loss and bit-identical gradients as an unfused
