@@ -142,8 +142,8 @@ class TrainArgs:
     # release's fp32 tensors kept fp32 (parallel/fsdp.py); instead of --dtype bf16's autocast
     fsdp_bf16: bool = False
     # torch.compile backend of the decoder layers and the loss head (train/compile.py: "inductor" fuses their
-    # elementwise chains); "off" = eager; None = `compile_backend`'s default (Inductor for one CUDA process, else
-    # eager). Evaluation and the final sample always run eagerly.
+    # elementwise chains); "off" = eager; None = `compile_backend`'s default (Inductor for a text model in one CUDA
+    # process, else eager). Evaluation and the final sample always run eagerly.
     compile: str | None = None
 
 
