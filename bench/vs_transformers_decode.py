@@ -607,6 +607,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or ([1, 4] if q else [1, 4, 16, 64])
     args.prompt_len = args.prompt_len or (32 if q else 512)
     args.decode_tokens = args.decode_tokens or (16 if q else 128)
+    if args.decode_tokens < 2:  # part_decode's per-step time is over the decode_tokens - 1 steps after the prefill
+        raise SystemExit(f"--decode-tokens {args.decode_tokens}: must be at least 2 (a step after the prefill)")
     args.prefill_lengths = args.prefill_lengths or ([256] if q else [8192, 32768, 65536])
     args.ttft_len = args.ttft_len or (512 if q else 32768)
     args.ttft_user_len, args.ttft_reply_len = (32, 8) if q else (256, 64)

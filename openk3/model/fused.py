@@ -131,7 +131,9 @@ class FusedProjections:
                 stack.active = False
 
     def unfuse(self) -> None:
-        """Detach every stacked weight from its module: the modules compute their projections one by one again."""
+        """Detach every stacked weight from its module: the modules compute their projections one by one again.
+        NOTE: a CUDA graph captured over the stacks still replays reading their addresses, freed once nothing else
+        holds them: forget such graphs (`StaticDecoder.forget_graphs`) first; the engine itself never unfuses."""
         for module, stack in self.stacks:
             if getattr(module, "fused_linears", None) is stack:
                 del module.fused_linears
@@ -142,7 +144,7 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
     """Attach a stacked copy of the input projections to every module of `model` that has some (`fusable_parts`),
     allocated once and filled by a first `refresh`, inactive until `applied()`. A module fused before (a draft model
     that shares the target's modules) keeps its stack, which both fusions then refresh (the second finds it
-    current): fusing twice is harmless. The model must not be sharded (FSDP/TP): the copies are whole tensors."""
+    current): fusing twice is harmless; after a cast or a move of the model it gets a new one. The model must not be sharded (FSDP/TP): the copies are whole tensors."""
     fp = FusedProjections()
     # a LatentMoE's shared experts are stacked with its down projection, not on their own
     in_moe = {id(m.shared_experts) for m in model.modules() if isinstance(m, MoE) and fusable_parts(m)
@@ -152,9 +154,16 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
         if not parts:
             continue
         linears = [lin for _, lins in parts for lin in lins]
-        stack = getattr(module, "fused_linears", None)
-        if not isinstance(stack, FusedStack):
-            first = linears[0].weight
+        if any(lin.weight.is_inference() for lin in linears):
+            raise ValueError(f"fuse_projections: the weights of {type(module).__name__} are inference tensors (the "
+                             "model was built or loaded under torch.inference_mode), which keep no version counter "
+                             "to refresh the copies by: build the model outside inference_mode, or pass "
+                             "EngineConfig(fuse_projections=False)")
+        stack, first = getattr(module, "fused_linears", None), linears[0].weight
+        # NOTE: a stack left by an earlier fusion is reused only while it can hold the weights: after a cast or a
+        # move (which the earlier fusion's refresh refuses) this fusion gets a stack of its own
+        if not (isinstance(stack, FusedStack) and stack.linears == linears and stack.weight.dtype == first.dtype
+                and stack.weight.device == first.device):
             # NOTE: a normal tensor even when called under inference_mode: refresh writes into it in place, which an
             # inference tensor refuses outside inference mode
             with torch.inference_mode(False):

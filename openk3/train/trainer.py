@@ -142,8 +142,8 @@ class TrainArgs:
     # release's fp32 tensors kept fp32 (parallel/fsdp.py); instead of --dtype bf16's autocast
     fsdp_bf16: bool = False
     # torch.compile backend of the decoder layers and the loss head (train/compile.py: "inductor" fuses their
-    # elementwise chains); "off" = eager; None = `compile_backend`'s default (Inductor for one CUDA process, else
-    # eager). Evaluation and the final sample always run eagerly.
+    # elementwise chains); "off" = eager; None = `compile_backend`'s default (Inductor for a text model in one CUDA
+    # process, else eager). Evaluation and the final sample always run eagerly.
     compile: str | None = None
 
 
@@ -837,7 +837,7 @@ def compile_backend(args: TrainArgs, distributed: bool) -> str | None:
     """The torch.compile backend a run uses: --compile's, None for "off"; unset, Inductor for a text model in one
     CUDA process and eager elsewhere. Why that default: on one H200 (kimi-linear-1.5b, 8 x 2048 tokens,
     bench/vs_transformers.py, docs/training.md) compiled steps ran 1.30x faster with bf16 weights and 1.06x with
-    the recipe, at 16-22% less peak memory, for a first step of 20-41 s. Not on the CPU (Inductor's C++ compile of
+    the recipe, at 16-22% less peak memory, for a first step of 20-41 s (47.7 s with empty caches). Not on the CPU (Inductor's C++ compile of
     every region takes minutes there), nor under torchrun or for a vision model: compile is not measured there."""
     if args.compile is not None:
         return None if args.compile == "off" else args.compile

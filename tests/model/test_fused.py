@@ -130,13 +130,30 @@ def test_in_place_updates_are_seen_after_refresh():
 
 
 def test_a_cast_after_fusing_is_an_error():
+    """The fusion made before a cast refuses to refresh; a fusion made after it (an engine made for the cast model
+    while the first one's stacks are still attached) gets stacks of the new dtype and the unfused forward."""
     model = small_model("kimi-linear")
     fused = fuse_projections(model)
     model.cast(torch.bfloat16)
     with pytest.raises(RuntimeError, match="unfuse and fuse the model again"):
         fused.refresh()
-    fused.unfuse()
+    again = fuse_projections(model)
+    assert all(s.weight.dtype == torch.bfloat16 for _, s in again.stacks)
+    V = model.config.vocab_size
+    for got, want in zip(run(model, chunks(V), again), run(model, chunks(V))):
+        assert rel_err(got, want) < 3e-2
+    fused.unfuse()  # the old fusion's stacks are no longer attached: the new ones stay
+    assert all(m.fused_linears is s for m, s in again.stacks)
+    again.unfuse()
     assert all(getattr(m, "fused_linears", None) is None for m in model.modules())
+
+
+def test_inference_tensors_are_refused():
+    """Weights made under inference_mode keep no version counter (`refresh` could not see updates): a clear error."""
+    with torch.inference_mode():
+        model = small_model("kimi-linear")
+    with pytest.raises(ValueError, match=r"inference tensors .*\(fuse_projections=False\)"):
+        fuse_projections(model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

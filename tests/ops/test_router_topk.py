@@ -89,8 +89,9 @@ def test_interpreted_router_module_uses_kernel_without_grad_only():
     router.e_score_correction_bias.normal_(0, 0.05)
     x = torch.randn(6, cfg.hidden_size)
     idx, w, s = router(x)  # grad on: the eager chain
-    assert s.requires_grad
+    assert s.requires_grad and not route_kernel_applies(s, router.k)
     with torch.no_grad():
+        assert route_kernel_applies(s.detach(), router.k)  # so the comparison below is the kernel's
         idx2, w2, s2 = router(x)
     assert torch.equal(idx2, idx) and torch.equal(s2, s.detach())
     torch.testing.assert_close(w2, w.detach(), rtol=4e-7, atol=0)

@@ -57,6 +57,10 @@ def test_speculation_and_load_weights_with_fusion(fast):
     want, *_ = generate(other, False, fast, draft=early_exit_draft(other, 3))
     got, _, engine, _ = generate(model, True, fast, draft=early_exit_draft(model, 3), load=other.state_dict())
     assert got == want and engine.stats()["spec_rounds"] > 0
+    # greedy speculation keeps the target's tokens whatever the draft proposes, so the tokens alone would not show a
+    # stale draft: both fusions' copies must be current (the draft's parameters share the target's version counters)
+    for fused in (engine.target.fused, engine.drafter.fused):
+        assert fused.refresh() == 0 and all(torch.equal(s.weight, torch.cat(s.sources())) for _, s in fused.stacks)
     same, *_ = generate(model, True, fast, draft=model)
     assert same == want
 

@@ -25,6 +25,9 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) >= {"hardware", "decode", "prefill", "prefix_hit_ttft", "speculative", "memory", "router"}
     assert data["decode"]["3"]["generated_tokens"] == 18 and data["decode"]["1"]["openk3_tokens_per_s"] > 0
+    for row in data["decode"].values():  # the prefill + the 5 steps after it lie within the timed run
+        split = row["openk3_ttft_s"] + 5 * row["openk3_decode_ms_per_step"] / 1e3
+        assert row["openk3_ttft_s"] > 0 and row["openk3_decode_ms_per_step"] > 0 and split <= row["openk3_seconds"]
     assert data["prefix_hit_ttft"]["cached_tokens"] > 0 and data["prefix_hit_ttft"]["same_first_token"]
     assert data["speculative"]["k=2"]["greedy_output_equal"]
     assert data["memory"]["max_batch_32k"] > 0
@@ -74,3 +77,5 @@ def test_bench_against_transformers_on_a_small_kimi_linear(tmp_path):
 def test_bench_rejects_unknown_parts():
     with pytest.raises(SystemExit, match="bogus"):
         main(["--parts", "decode,bogus", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--decode-tokens 1"):  # no step after the prefill to time
+        main(["--decode-tokens", "1", "--device", "cpu"])
