@@ -837,8 +837,9 @@ def compile_backend(args: TrainArgs, distributed: bool) -> str | None:
     """The torch.compile backend a run uses: --compile's, None for "off"; unset, Inductor for a text model in one
     CUDA process and eager elsewhere. Why that default: on one H200 (kimi-linear-1.5b, 8 x 2048 tokens,
     bench/vs_transformers.py, docs/training.md) compiled steps ran 1.30x faster with bf16 weights and 1.06x with
-    the recipe, at 16-22% less peak memory, for a first step of 20-41 s (47.7 s with empty caches). Not on the CPU (Inductor's C++ compile of
-    every region takes minutes there), nor under torchrun or for a vision model: compile is not measured there."""
+    the recipe, at 16-22% less peak memory, for a first step of 20-41 s (47.7 s with empty caches). Not on the
+    CPU (Inductor's C++ compile of every region takes minutes there), nor under torchrun or for a vision model:
+    compile is not measured there."""
     if args.compile is not None:
         return None if args.compile == "off" else args.compile
     vision = get_config(args.config).vision_config is not None
