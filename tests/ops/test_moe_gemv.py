@@ -4,9 +4,7 @@ On the CPU the kernels run in Triton's interpreter, in a child pytest started wi
 `test_interpreted_*` tests). Skipped without triton (CI has none). The GPU tests run the real kernels.
 """
 
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from openk3.ops import moe_gemv
 from openk3.ops.moe import moe_experts_grouped, moe_experts_loop
 from openk3.ops.moe_gemv import GEMV_MAX_SLOTS, GLUSpec, gemv_applies, glu_spec
 from openk3.ops.situ import situ_glu, swiglu
-from tests.helpers import rel_norm_err
+from tests.helpers import rel_norm_err, run_interpreted_child
 
 needs_triton = pytest.mark.skipif(moe_gemv.triton is None, reason="triton is not installed")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -48,15 +46,8 @@ interpreted_only = pytest.mark.skipif(not INTERPRETED,
 @needs_triton
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernels_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1. NOTE: a child process, because the
-    variable must be set before triton itself is imported (triton.language's own helpers, tl.zeros and the rest,
-    are jit functions decorated then), and the rest of the session imported it without."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted_",
-                            __file__], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
-                           timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
+    run_interpreted_child(__file__)
 
 
 def random_moe(T, D, F, E, K, dtype, seed, scale=1.0, device="cpu"):

@@ -4,10 +4,6 @@ On the CPU the kernel runs in Triton's interpreter, in a child pytest started wi
 `test_interpreted_*` tests); skipped without triton (CI has none). The GPU tests run the real kernel.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +13,7 @@ from openk3.model.model import Router
 from openk3.ops import router_topk
 from openk3.ops.moe import route
 from openk3.ops.router_topk import route_kernel_applies, route_topk
+from tests.helpers import run_interpreted_child
 
 needs_triton = pytest.mark.skipif(router_topk.triton is None, reason="triton is not installed")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -58,13 +55,8 @@ CASES = [(1, 32, 4, True, 1.0), (5, 32, 4, False, 2.5), (3, 8, 2, True, 1.0), (2
 @needs_triton
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernels_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (set before triton's import)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted_",
-                            __file__], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
-                           timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
+    run_interpreted_child(__file__)
 
 
 @interpreted_only
