@@ -13,7 +13,6 @@ reason that `openk3 info --backends` prints; call sites never try/except.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -40,21 +39,26 @@ class MoEBackend:
 
 MOE_ENV, GEMV_ENV = "OPENK3_MOE_BACKEND", "OPENK3_MOE_GEMV"
 
-_CHOSEN: dict[tuple, MoEBackend] = {}  # what moe_experts has looked up so far (see the NOTE there)
+# NOTE: the backends chosen so far, the one cache of `_select`: a plain dict, not functools.cache, because
+# moe_experts runs inside compiled layers (train/compile.py, the compiled decode step) and dynamo traces the body of a
+# functools.cache'd function (its CUDA capability query) on every call; a dict lookup it traces to a constant.
+_CHOSEN: dict[tuple, MoEBackend] = {}
 
 
 def forget_moe_backends() -> None:
-    """Choose again on the next call (tests that replace the choice): `_select`'s cache and `_CHOSEN` both."""
+    """Choose again on the next call (tests that replace the choice)."""
     _CHOSEN.clear()
-    _select.cache_clear()
 
 
 def select_moe_backend(device_type: str, dtype: torch.dtype) -> MoEBackend:
     """The MoE backend for this device type and dtype under the environment's overrides (module docstring)."""
-    return _select(device_type, dtype, os.environ.get(MOE_ENV), os.environ.get(GEMV_ENV))
+    key = (device_type, dtype, os.environ.get(MOE_ENV), os.environ.get(GEMV_ENV))
+    backend = _CHOSEN.get(key)
+    if backend is None:
+        backend = _CHOSEN[key] = _select(*key)
+    return backend
 
 
-@functools.cache
 def _select(device_type: str, dtype: torch.dtype, requested: str | None, gemv_requested: str | None) -> MoEBackend:
     if requested not in (None, "", "grouped", "loop"):
         raise ValueError(f"{MOE_ENV}={requested!r}: expected 'grouped' or 'loop'")
@@ -83,12 +87,7 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`); a
     decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them."""
-    # NOTE: a plain dict lookup first: dynamo traces the body of the functools.cache'd _select (and its
-    # CUDA capability query) on every call from a compiled layer (train/compile.py); a dict lookup traces to a constant
-    key = (x_TD.device.type, x_TD.dtype, os.environ.get(MOE_ENV), os.environ.get(GEMV_ENV))
-    backend = _CHOSEN.get(key)
-    if backend is None:
-        backend = _CHOSEN[key] = _select(*key)
+    backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
     args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
     if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
         return backend.small(*args)
