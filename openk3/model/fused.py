@@ -32,7 +32,7 @@ modules, so it never reads a copy that may be stale, and gradients reach the par
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +138,11 @@ class FusedProjections:
             if getattr(module, "fused_linears", None) is stack:
                 del module.fused_linears
         self.stacks = []
+
+
+def applied(fused: FusedProjections | None):
+    """`fused.applied()`, or a no-op context for a model that is not fused (None)."""
+    return fused.applied() if fused is not None else nullcontext()
 
 
 def fuse_projections(model: nn.Module) -> FusedProjections:

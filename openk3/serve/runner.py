@@ -21,12 +21,10 @@ reading slot `rows[b]` in place; joining and leaving only assign slots, and `dec
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch import Tensor
 
-from openk3.model.fused import FusedProjections, fuse_projections
+from openk3.model.fused import FusedProjections, applied, fuse_projections
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, new_kda_states, paged_cache,
                                 rollback_kda, select_kda_rows)
@@ -77,7 +75,7 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         images = {} if image_features is None else {"image_features": image_features}
         # fused projections refreshed first: the weights may have changed in place since the last forward
-        with self.fused.applied() if self.fused is not None else nullcontext():
+        with applied(self.fused):
             logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating,
                                 **images).logits
         for s in seqs:

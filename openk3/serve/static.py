@@ -26,13 +26,11 @@ requests join and leave between steps.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch import Tensor
 
 from openk3.config import K3Config
-from openk3.model.fused import FusedProjections
+from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import select_moe_backend
@@ -253,7 +251,7 @@ class StaticDecoder:
         key = (B, P, greedy_only)
         # NOTE: the fused projections are refreshed here, before capture and replay, never inside the graph or the
         # compiled step: a replay reads the stacked weights at their captured addresses, which refresh writes in place
-        with self.fused.applied() if self.fused is not None else nullcontext():
+        with applied(self.fused):
             if self.graphs and key not in self.captured:
                 self.captured[key] = self._capture(buf, greedy_only)
 
