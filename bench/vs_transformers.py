@@ -13,13 +13,17 @@ the first step's time (which includes Triton's compiling and fla's autotuning on
 Runs:
   transformers       transformers' KimiLinearForCausalLM (fla kernels where it uses them), bf16 weights, fused AdamW
   openk3_bf16_adamw  openk3, bf16 weights (the fp32-stored tensors stay fp32), fused AdamW
-  openk3_recipe      openk3's own recipe: fp32 master weights, bf16 autocast, Muon (per-head) + AdamW
+  openk3_recipe      openk3's own recipe: fp32 master weights, bf16 compute, Muon (per-head) + AdamW; the bf16 compute
+                     as `openk3 train --dtype bf16` runs it in one process: a bf16 copy of the masters
+                     (openk3/train/precision.py; the optimizer column includes moving gradients and weights)
+  openk3_recipe_autocast
+                     the same recipe computing under bf16 autocast over the fp32 parameters (`--bf16-mode autocast`)
   openk3_packed      openk3_bf16_adamw on the same tokens packed as 4 documents a row (cu_seqlens)
   openk3_k3_features the `k3-1.5b` preset (every K3 feature, QAT off) with the recipe; `_qat` with MXFP4 QAT on
-  openk3_bf16_adamw_compiled, openk3_recipe_compiled
-                     the same as openk3_bf16_adamw / openk3_recipe with the decoder layers and the loss head
-                     torch.compile'd (Inductor, openk3/train/compile.py); not in the default --runs (not yet run on
-                     a GPU): their first step includes the compile, and they report the graphs each step compiled
+  openk3_bf16_adamw_compiled, openk3_recipe_compiled, openk3_recipe_autocast_compiled
+                     the same with the decoder layers and the loss head torch.compile'd (Inductor,
+                     openk3/train/compile.py; `openk3 train`'s CUDA default); not in the default --runs: their first
+                     step includes the compile, and they report the graphs each step compiled
 With --ablate, `kimi-linear-1.5b` plus one K3 feature at a time (bf16 weights, AdamW).
 
 MFU counts 6 x active non-embedding parameters per token plus causal attention and the KDA recurrence
@@ -51,10 +55,12 @@ from openk3.ops import select_kda_backend, select_moe_backend  # noqa: E402
 from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
 from openk3.train.compile import compile_layers, compiled_graphs  # noqa: E402
 from openk3.train.optim import build_optimizer, model_head_dims  # noqa: E402
+from openk3.train.precision import BF16Compute  # noqa: E402
 
 DEFAULT_RUNS = ("transformers", "openk3_bf16_adamw", "openk3_recipe", "openk3_packed", "openk3_k3_features",
                 "openk3_k3_features_qat")
-RUNS = DEFAULT_RUNS + ("openk3_bf16_adamw_compiled", "openk3_recipe_compiled")
+RUNS = DEFAULT_RUNS + ("openk3_bf16_adamw_compiled", "openk3_recipe_compiled", "openk3_recipe_autocast",
+                       "openk3_recipe_autocast_compiled")
 
 
 def ablations(base):
@@ -139,8 +145,26 @@ def fused_adamw(model) -> torch.optim.AdamW:
                              weight_decay=0.1, fused=True)
 
 
-def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool, qat: bool, ids, args,
+class MasterStep:
+    """The recipe's optimizer step over a bf16 copy (`openk3 train --dtype bf16`'s order, trainer.py): the copy's
+    gradients into the fp32 masters, the optimizer step, the masters rounded back into the copy."""
+
+    def __init__(self, bf16: BF16Compute, opt):
+        self.bf16, self.opt = bf16, opt
+
+    def step(self) -> None:
+        self.bf16.accumulate_grads()
+        self.opt.step()
+        self.bf16.refresh()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+def openk3_run(name: str, ckpt: Path | None, config, recipe: str | None, packed: bool, qat: bool, ids, args,
                profile_to, compile: bool = False) -> dict:
+    """recipe: None (bf16 weights, fused AdamW), "copy" (fp32 masters, a bf16 copy computes, Muon + AdamW) or
+    "autocast" (fp32 parameters under bf16 autocast, Muon + AdamW)."""
     torch.manual_seed(0)
     if ckpt is not None:
         model = load_pretrained(ckpt, device="cuda", dtype=torch.float32 if recipe else torch.bfloat16, qat=qat)
@@ -150,21 +174,25 @@ def openk3_run(name: str, ckpt: Path | None, config, recipe: bool, packed: bool,
         if not recipe:
             model.cast(torch.bfloat16)
     model.train()
+    bf16 = BF16Compute(model) if recipe == "copy" else None
+    runs = model if bf16 is None else bf16.model
     if compile:  # before the optimizer, as `openk3 train --compile` orders it
-        compile_layers(model, "inductor")
+        compile_layers(runs, "inductor")
     opt = build_optimizer(model, lr=1e-4, head_dims=model_head_dims(model.config)) if recipe else fused_adamw(model)
+    if bf16 is not None:
+        opt = MasterStep(bf16, opt)
     B, T = ids.shape
     labels = ids.roll(-1, 1)
     cu = torch.arange(0, B * T + 1, T // 4, device="cuda") if packed else None
 
     def forward_loss():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=recipe):
-            return model(ids, labels=labels, cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=recipe == "autocast"):
+            return runs(ids, labels=labels, cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
 
     res = time_training(name, forward_loss, opt, args, profile_to)
     res["doc_len"] = T // 4 if packed else T
     res["mfu"] = flops_per_token(model.config, res["doc_len"]) * res["tokens_per_s"] / args.peak
-    del model, opt
+    del model, runs, bf16, opt
     free()
     return res
 
@@ -303,19 +331,20 @@ def main() -> None:
             elif name.startswith("openk3_k3_features"):
                 qat = name.endswith("_qat")
                 fc = get_config(args.features_config)
-                todo.append((name, lambda fc=fc, qat=qat, n=name: openk3_run(n, None, fc, True, False, qat, ids, args,
-                                                                             prof_dir)))
+                todo.append((name, lambda fc=fc, qat=qat, n=name: openk3_run(n, None, fc, "copy", False, qat, ids,
+                                                                             args, prof_dir)))
             else:
                 base = name.removesuffix("_compiled")
-                todo.append((name, lambda n=name, b=base: openk3_run(n, ckpt, config, b == "openk3_recipe",
-                                                                     b == "openk3_packed", False, ids, args, prof_dir,
-                                                                     compile=n != b)))
+                recipe = {"openk3_recipe": "copy", "openk3_recipe_autocast": "autocast"}.get(base)
+                todo.append((name, lambda n=name, b=base, r=recipe: openk3_run(n, ckpt, config, r,
+                                                                               b == "openk3_packed", False, ids, args,
+                                                                               prof_dir, compile=n != b)))
         if args.ablate:
             for feat, fc in ablations(config).items():
                 n = f"ablate_{feat}"
-                todo.append((n, lambda fc=fc, n=n, q=(feat == "qat"): openk3_run(n, None, fc, False, False, q, ids,
+                todo.append((n, lambda fc=fc, n=n, q=(feat == "qat"): openk3_run(n, None, fc, None, False, q, ids,
                                                                                  args, None)))
-            todo.append(("ablate_none", lambda: openk3_run("ablate_none", None, config, False, False, False, ids,
+            todo.append(("ablate_none", lambda: openk3_run("ablate_none", None, config, None, False, False, ids,
                                                            args, None)))
         for name, fn in todo:
             print(f"== {name}", flush=True)

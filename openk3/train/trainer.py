@@ -66,6 +66,7 @@ from openk3.parallel.mesh import (DistEnv, ParallelDims, build_cp_mesh, build_ep
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
 from openk3.train.compile import BACKENDS as COMPILE_BACKENDS
+from openk3.train.precision import BF16Compute
 from openk3.train.compile import compile_layers
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
@@ -113,7 +114,11 @@ class TrainArgs:
     qat: bool | None = None  # MXFP4 expert weights + MXFP8 expert inputs (fake quant); None = config.mxfp4_experts
     qk_clip: float | None = None  # QK-Clip threshold tau for MLA; None = off
     device: str = "cpu"
-    dtype: str = "fp32"  # fp32 | bf16 (autocast, CUDA only); parameters stay fp32
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; the parameters, i.e. the masters, stay fp32)
+    # How --dtype bf16 computes: "copy" (a bf16 copy of the fp32 masters runs forward and backward,
+    # train/precision.py) or "autocast" (CUDA autocast over the fp32 parameters); None = `bf16_mode`'s default
+    # (copy for a text model in one process, autocast under torchrun or for a vision model).
+    bf16_mode: str | None = None
     seed: int = 0
     val_fraction: float = 0.02  # documents held out for validation
     log_every: int = 10
@@ -152,8 +157,11 @@ FIXED_ON_RESUME = ("config", "data", "vocab_size", "tokenizer", "init_from", "ba
                    "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "balance", "qb_bins", "sign_rate", "qat",
                    "qk_clip", "dtype", "seed", "val_fraction")
 # Settings of one invocation, never taken from the saved run (a resumed run must not stop at the old --stop-at).
-PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep", "cp", "compile")
+# NOTE: bf16_mode too: both modes keep fp32 masters (a checkpoint is the same either way), and its default changes with
+# the process count, which a resume may change.
+PER_INVOCATION = ("stop_at", "threads", "progress", "dp", "ep", "cp", "compile", "bf16_mode")
 BALANCE_MODES = ("quantile", "sign", "none")
+BF16_MODES = ("copy", "autocast")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "seq_len", "elapsed_s",
                "expert_load_max_over_mean", "expert_load", "attnres")
 TRAINER_STATE = "trainer_state.pt"
@@ -198,8 +206,12 @@ def check_args(a: TrainArgs) -> None:
         raise ValueError(f"--dtype={a.dtype!r}: expected fp32 or bf16")
     if a.fsdp_bf16 and a.dtype == "bf16":
         raise ValueError("--fsdp-bf16 and --dtype bf16 are two ways to compute in bf16; choose one")
-    if a.dtype == "bf16" and a.device != "cuda":
-        raise ValueError("--dtype=bf16 runs under CUDA autocast; it needs --device cuda")
+    if a.bf16_mode is not None and a.bf16_mode not in BF16_MODES:
+        raise ValueError(f"--bf16-mode={a.bf16_mode!r}: expected one of {BF16_MODES}")
+    if a.bf16_mode is not None and a.dtype != "bf16":
+        raise ValueError(f"--bf16-mode={a.bf16_mode} says how --dtype bf16 computes; this run has --dtype {a.dtype}")
+    if a.dtype == "bf16" and a.bf16_mode == "autocast" and a.device != "cuda":
+        raise ValueError("--bf16-mode=autocast runs under CUDA autocast; it needs --device cuda")
     if a.stop_at is not None and not 1 <= a.stop_at <= a.steps:
         raise ValueError(f"--stop-at={a.stop_at}: must be in [1, --steps={a.steps}]")
     if a.compile is not None and a.compile not in COMPILE_BACKENDS + ("off",):
@@ -722,12 +734,16 @@ class MLAMaxLogits:
     fine at the sizes this trainer runs on one device, not at K3's 64K contexts, where the max belongs inside the
     attention kernel."""
 
-    def __init__(self, model: K3ForCausalLM, cp: ContextParallel | None = None):
-        """cp: the model's context parallelism, if any: its ranks' queries see keys of the whole row."""
+    def __init__(self, model: K3ForCausalLM, cp: ContextParallel | None = None, runs: K3ForCausalLM | None = None):
+        """cp: the model's context parallelism, if any: its ranks' queries see keys of the whole row. runs: the model
+        whose forwards are watched, when another one computes for `model` (a bf16 copy, train/precision.py); the
+        clip always changes `model`'s weights."""
         self.cp = cp
         self.layers = [l.self_attn for l in model.model.layers if isinstance(l.self_attn, GatedMLA)]
         self.max_H = [None] * len(self.layers)
-        for i, attn in enumerate(self.layers):
+        watched = self.layers if runs is None else [l.self_attn for l in runs.model.layers
+                                                      if isinstance(l.self_attn, GatedMLA)]
+        for i, attn in enumerate(watched):
             attn.register_forward_hook(self._hook(i), with_kwargs=True)
 
     def _hook(self, i: int):
@@ -846,6 +862,27 @@ def compile_backend(args: TrainArgs, distributed: bool) -> str | None:
     return "inductor" if args.device == "cuda" and not distributed and not vision else None
 
 
+def bf16_mode(args: TrainArgs, distributed: bool) -> str | None:
+    """How a --dtype bf16 run computes (None for fp32): --bf16-mode's, else "copy" (train/precision.py) for a text
+    model in one process and "autocast" under torchrun (FSDP2 shards the one model it is given) or for a vision model
+    (its tower has no bf16 cast). Why copy: on one H200 the autocast recipe's compiled forward took 134 ms against 80
+    ms with bf16 weights (kimi-linear-1.5b, docs/training.md); a copy computes exactly as the bf16-weights run."""
+    if args.dtype != "bf16":
+        return None
+    vision = get_config(args.config).vision_config is not None
+    if args.bf16_mode == "copy" and (distributed or vision):
+        raise ValueError("--bf16-mode=copy runs in one process on a text model; under torchrun use autocast (or "
+                         "--fsdp-bf16), and a vision model trains with autocast")
+    if args.bf16_mode is not None:
+        return args.bf16_mode
+    if distributed or vision:
+        if args.device != "cuda":
+            raise ValueError("--dtype=bf16 here runs under CUDA autocast (torchrun or a vision model): it needs "
+                             "--device cuda")
+        return "autocast"
+    return "copy"
+
+
 def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     """Run (or with `resume`, continue) a training run; see the module docstring."""
     t_start = time.time()
@@ -868,7 +905,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         raise ValueError(f"--dp={args.dp} --ep={args.ep} --cp={args.cp} needs {n} processes: add --nproc {n} or run "
                          f"under torchrun")
     run_dir = run_dir_of(args, dist_env)
-    args = dataclasses.replace(args, out=str(run_dir), compile=compile_backend(args, dist_env is not None))
+    args = dataclasses.replace(args, out=str(run_dir), compile=compile_backend(args, dist_env is not None),
+                               bf16_mode=bf16_mode(args, dist_env is not None))
     latest = run_dir / CHECKPOINTS / LATEST
     if resume and not latest.is_file():
         raise FileNotFoundError(f"--resume: {run_dir} has no checkpoint to resume from ({CHECKPOINTS}/{LATEST})")
@@ -926,10 +964,14 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         cp_mesh = build_cp_mesh(dims, dist_env)
         cp = apply_context_parallel(model, cp_mesh["cp"].get_group())
         dp_rank = cp_mesh["dp"].get_local_rank()
+    # --dtype bf16 --bf16-mode copy: `runs` (a bf16 copy) computes, `model` keeps the fp32 masters the optimizer,
+    # checkpoints, QK-Clip and the balancer work on; otherwise the model runs itself
+    bf16 = BF16Compute(model) if args.bf16_mode == "copy" else None
+    runs = model if bf16 is None else bf16.model
     if args.activation_checkpointing:  # before FSDP: torchtitan's order (parallel/__init__.py)
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(runs)
     if args.compile is not None:  # after activation checkpointing, before FSDP: torchtitan's order
-        compiled = compile_layers(model, args.compile)
+        compiled = compile_layers(runs, args.compile)
         print(f"  torch.compile ({args.compile}): {compiled['regions']} regions (the decoder layers, the loss head); "
               f"they compile during the first step")
     expert_params, ep_mesh = [], None
@@ -952,7 +994,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         stream = RowStreams(data.train, args.batch_size, args.seq_len, seed=args.seed,
                             rows=None if dist_env is None else rows_of_rank(args.batch_size, dp_rank, dims.dp))
     balancer = RouterBalancer(model, args.balance, args.qb_bins, args.sign_rate)
-    max_logits = MLAMaxLogits(model, cp) if args.qk_clip is not None else None
+    max_logits = MLAMaxLogits(model, cp, runs=runs) if args.qk_clip is not None else None
     phases = parse_seq_len_schedule(args.seq_len_schedule)
 
     step, tokens_seen, elapsed_before = 0, 0, 0.0
@@ -977,9 +1019,12 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         step, tokens_seen, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
         truncate_metrics(run_dir / METRICS_FILE, step)
         print(f"resumed from {ckpt} at step {step}")
+    if bf16 is not None:
+        bf16.refresh()  # the masters as loaded (or initialised), rounded
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.config}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers; "
-          f"QAT {'on' if qat else 'off'}; balance {args.balance}; device {device} {args.dtype}")
+          f"QAT {'on' if qat else 'off'}; balance {args.balance}; device {device} {args.dtype}"
+          + (f" ({args.bf16_mode}: fp32 masters)" if args.bf16_mode else ""))
     if dist_env is not None:
         print(f"  data parallel (FSDP2) over {world} ranks"
               + (f", context parallel in groups of {args.cp} (every row split in {args.cp})" if cp else "")
@@ -1022,13 +1067,15 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             if cp is not None:  # this rank's slice of every row; the mixers see the global packing
                 ids, labels, cu_seqlens = local_rows(ids, labels, cu_seqlens, cp.rank, cp.world)
             with contextlib.nullcontext() if cp is None else cp.packing(batch.cu_seqlens):
-                with autocast(args.dtype, device):
-                    out = model(ids, labels=labels, cu_seqlens=cu_seqlens, loss_chunk=args.loss_chunk, record=True,
+                with autocast("bf16" if args.bf16_mode == "autocast" else "fp32", device):
+                    out = runs(ids, labels=labels, cu_seqlens=cu_seqlens, loss_chunk=args.loss_chunk, record=True,
                                 record_attnres=record_attnres, **image_inputs(batch))
                 # data (and context) parallel: this rank's share of the global batch's mean loss over all its
                 # predicted tokens (FSDP averages the gradients over all ranks), so the loss is the whole rows'
                 share = 1.0 if dist_env is None else global_loss_share(labels, world)
                 (out.loss * share / args.grad_accum).backward()
+                if bf16 is not None:
+                    bf16.accumulate_grads()
             loss_sum += out.loss.item() if dist_env is None else sum_over_ranks(out.loss.detach() * share / world)
             balancer.after_forward(out.router)
             if record_attnres:
@@ -1050,6 +1097,8 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         if max_logits is not None:
             max_logits.clip_(args.qk_clip)
         loads = balancer.end_step()  # the new router biases apply from the next step
+        if bf16 is not None:
+            bf16.refresh()
         step += 1
         loss = loss_sum / args.grad_accum
         if not math.isfinite(loss):
@@ -1067,7 +1116,9 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
             if eval_now:
                 with eager_stance(args):
                     ev = evaluate(model, data.val, data.tokenizer, batch_size=args.batch_size, seq_len=stream.seq_len,
-                                  max_tokens=args.eval_tokens, amp=args.dtype, loss_chunk=args.loss_chunk)
+                                  max_tokens=args.eval_tokens, loss_chunk=args.loss_chunk,
+                                  # the masters, as `openk3 eval` scores a checkpoint: autocast on CUDA, fp32 on the CPU
+                                  amp=args.dtype if device.type == "cuda" else "fp32")
                 record.update(val_loss=ev["loss"], val_bpb=ev["bpb"])
                 result.final_eval = ev
                 bar.write(f"step {step}: train loss {loss:.4f}, val loss {ev['loss']:.4f}, val bpb {ev['bpb']:.4f}")
@@ -1190,7 +1241,12 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
                         "MXFP4 experts]")
     p.add_argument("--qk-clip", type=float, metavar="TAU", help="QK-Clip threshold for MLA logits [off]")
     p.add_argument("--device", choices=("cpu", "cuda"), help=f"[{d.device}]")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), help=f"bf16 = CUDA autocast [{d.dtype}]")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help=f"bf16: compute in bf16 over fp32 master weights "
+                                                             f"(--bf16-mode) [{d.dtype}]")
+    p.add_argument("--bf16-mode", choices=BF16_MODES,
+                   help="how --dtype bf16 computes: copy = a bf16 copy of the fp32 masters runs forward and backward "
+                        "(train/precision.py), autocast = CUDA autocast over fp32 parameters [copy in one process "
+                        "for a text model, else autocast]")
     p.add_argument("--seed", type=int, help=f"[{d.seed}]")
     p.add_argument("--val-fraction", type=float, help=f"documents held out for validation [{d.val_fraction}]")
     p.add_argument("--log-every", type=int, help=f"[{d.log_every}]")
