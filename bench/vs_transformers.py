@@ -20,6 +20,8 @@ Runs:
                      the same recipe computing under bf16 autocast over the fp32 parameters (`--bf16-mode autocast`)
   openk3_packed      openk3_bf16_adamw on the same tokens packed as 4 documents a row (cu_seqlens)
   openk3_k3_features the `k3-1.5b` preset (every K3 feature, QAT off) with the recipe; `_qat` with MXFP4 QAT on
+  *_graphed          (openk3_bf16_adamw[_compiled]_graphed, openk3_recipe[_compiled]_graphed) the same, with the steps after
+                     the warm-up replaying one CUDA graph of the whole step (openk3/train/graphed.py)
   openk3_bf16_adamw_compiled, openk3_recipe_compiled, openk3_recipe_autocast_compiled
                      the same with the decoder layers and the loss head torch.compile'd (Inductor,
                      openk3/train/compile.py; `openk3 train`'s CUDA default); not in the default --runs: their first
@@ -41,6 +43,9 @@ import os
 import platform
 import sys
 import tempfile
+import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,13 +59,15 @@ from openk3.model.checkpoint import load_pretrained, save_pretrained  # noqa: E4
 from openk3.ops import select_kda_backend, select_moe_backend  # noqa: E402
 from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
 from openk3.train.compile import compile_layers, compiled_graphs  # noqa: E402
+from openk3.train.graphed import GraphedStep, make_capturable  # noqa: E402
 from openk3.train.optim import build_optimizer, model_head_dims  # noqa: E402
 from openk3.train.precision import BF16Compute  # noqa: E402
 
 DEFAULT_RUNS = ("transformers", "openk3_bf16_adamw", "openk3_recipe", "openk3_packed", "openk3_k3_features",
                 "openk3_k3_features_qat")
 RUNS = DEFAULT_RUNS + ("openk3_bf16_adamw_compiled", "openk3_recipe_compiled", "openk3_recipe_autocast",
-                       "openk3_recipe_autocast_compiled")
+                       "openk3_recipe_autocast_compiled", "openk3_bf16_adamw_graphed", "openk3_bf16_adamw_compiled_graphed",
+                       "openk3_recipe_graphed", "openk3_recipe_compiled_graphed")
 
 
 def ablations(base):
@@ -86,16 +93,37 @@ def free() -> None:
 CUDA = torch.device("cuda")
 
 
-def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -> dict:
-    """Run args.warmup + args.steps training steps; medians over the timed ones, plus the first step's time."""
+def time_training(name: str, forward_loss, opt, args, profile_to: Path | None, graphed: bool = False) -> dict:
+    """Run args.warmup + args.steps training steps; medians over the timed ones, plus the first step's time. With
+    `graphed`, the steps after the warm-up are one CUDA graph's replays (openk3/train/graphed.py): only the whole
+    step is timed (no phase split)."""
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
     first = None
     graphs = []  # graphs torch.compile compiled during each step (all zero for an eager run)
+    graph = None
+
+    def whole_step():
+        loss = forward_loss()
+        loss.backward()
+        opt.step()
+        return loss
 
     def step():
-        return timed_step(forward_loss, opt, CUDA)
+        if graph is None:
+            return timed_step(forward_loss, opt, CUDA)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = graph.replay()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        return loss.item(), (float("nan"), float("nan"), float("nan"), dt)
 
     for i in range(args.warmup + args.steps):
+        if graphed and i == args.warmup:
+            make_capturable(opt)
+            t0 = time.perf_counter()
+            graph = GraphedStep(whole_step, lambda: opt.zero_grad(set_to_none=True))
+            print(f"  [{name}] captured the step as a CUDA graph in {time.perf_counter() - t0:.1f} s", flush=True)
         before = compiled_graphs()
         loss, dts = step()
         graphs.append(compiled_graphs() - before)
@@ -115,16 +143,38 @@ def time_training(name: str, forward_loss, opt, args, profile_to: Path | None) -
         res["graphs_compiled_per_step"] = graphs
     if profile_to is not None:
         res["profile_top"] = profile_step(step, profile_to / f"{name}.profile.txt")
+    if args.find_syncs:
+        res["host_syncs"] = find_syncs(step)
     return res
+
+
+def device_busy_us(prof) -> float:
+    """Microseconds in which at least one kernel (or device copy) ran, from a profile's device events: the union of
+    their intervals. Against the step's wall time it says how much of the step the GPU sat idle, waiting for the host
+    (a step bound by Python and launches, or by a host sync) rather than being the limit itself."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
 
 
 def profile_step(step, path: Path) -> list[dict]:
     """One more step under torch.profiler: the 40 ops with the most device time (self), as a table and rows. The
-    table's first line counts the kernels run and their device time in all."""
+    table's first line counts the kernels run, their device time in all (nested ops count twice there), the time
+    the device was busy (`device_busy_us`) and the step's wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    busy_ms = device_busy_us(prof) / 1e3
     events = prof.key_averages()
 
     def dev_us(e):
@@ -132,11 +182,40 @@ def profile_step(step, path: Path) -> list[dict]:
     total = sum(dev_us(e) for e in events)
     kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{kernels} kernels, {total / 1e3:.2f} ms of device time\n"
+    path.write_text(f"{kernels} kernels, {total / 1e3:.2f} ms of device time; device busy {busy_ms:.1f} ms of the "
+                    f"profiled step's {wall_ms:.1f} ms wall (profiler overhead included)\n"
                     + events.table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
     rows = sorted(events, key=dev_us, reverse=True)[:40]
-    return [{"op": e.key, "self_device_ms": dev_us(e) / 1e3, "share": dev_us(e) / max(total, 1), "calls": e.count}
-            for e in rows]
+    print(f"  profiled step: device busy {busy_ms:.1f} ms of {wall_ms:.1f} ms wall", flush=True)
+    return [{"op": "(device busy, ms; wall ms)", "self_device_ms": busy_ms, "share": busy_ms / wall_ms, "calls": 1}] + [
+        {"op": e.key, "self_device_ms": dev_us(e) / 1e3, "share": dev_us(e) / max(total, 1), "calls": e.count}
+        for e in rows]
+
+
+def find_syncs(step) -> list[dict]:
+    """One more step with CUDA's sync debug mode on: every operation that makes the host wait for the device (an
+    `.item()`, a `nonzero`, a copy to the CPU) warns; each distinct site is returned as the innermost frames of
+    openk3 / fla / transformers code that led to it, with its count. A sync inside the forward or backward stalls
+    the launch queue there, so the device idles while the host catches up."""
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(k in f.filename for k in ("openk3", "/fla/", "transformers", "vs_transformers"))]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+        sites[where] = sites.get(where, 0) + 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for where, n in sites.items():
+        print(f"  sync x{n}: {where}", flush=True)
+    return [{"site": w, "count": n} for w, n in sites.items()]
 
 
 def fused_adamw(model) -> torch.optim.AdamW:
@@ -162,9 +241,10 @@ class MasterStep:
 
 
 def openk3_run(name: str, ckpt: Path | None, config, recipe: str | None, packed: bool, qat: bool, ids, args,
-               profile_to, compile: bool = False) -> dict:
+               profile_to, compile: bool = False, graphed: bool = False) -> dict:
     """recipe: None (bf16 weights, fused AdamW), "copy" (fp32 masters, a bf16 copy computes, Muon + AdamW) or
-    "autocast" (fp32 parameters under bf16 autocast, Muon + AdamW)."""
+    "autocast" (fp32 parameters under bf16 autocast, Muon + AdamW). graphed: the steps after the warm-up replay one
+    CUDA graph of the whole step (the forward without its host-syncing id check)."""
     torch.manual_seed(0)
     if ckpt is not None:
         model = load_pretrained(ckpt, device="cuda", dtype=torch.float32 if recipe else torch.bfloat16, qat=qat)
@@ -187,9 +267,9 @@ def openk3_run(name: str, ckpt: Path | None, config, recipe: str | None, packed:
 
     def forward_loss():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=recipe == "autocast"):
-            return runs(ids, labels=labels, cu_seqlens=cu, loss_chunk=args.loss_chunk).loss
+            return runs(ids, labels=labels, cu_seqlens=cu, loss_chunk=args.loss_chunk, validate=not graphed).loss
 
-    res = time_training(name, forward_loss, opt, args, profile_to)
+    res = time_training(name, forward_loss, opt, args, profile_to, graphed=graphed)
     res["doc_len"] = T // 4 if packed else T
     res["mfu"] = flops_per_token(model.config, res["doc_len"]) * res["tokens_per_s"] / args.peak
     del model, runs, bf16, opt
@@ -245,6 +325,9 @@ def compare_logits(ckpt: Path, vocab: int) -> dict:
 
 def table(runs: dict, base: str = "transformers") -> str:
     ref = runs.get(base, {}).get("tokens_per_s")
+
+    def ms(x):
+        return "-" if x != x else f"{x * 1e3:.0f}"  # NaN: a graph replay has no phase split
     lines = [f"| run | tokens/s | vs {base} | step ms | fwd / bwd / opt ms | peak GB | MFU | first step s |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
@@ -254,7 +337,7 @@ def table(runs: dict, base: str = "transformers") -> str:
         x = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {x} | {r['step_s'] * 1e3:.0f} | "
-                     f"{r['forward_s'] * 1e3:.0f} / {r['backward_s'] * 1e3:.0f} / {r['optimizer_s'] * 1e3:.0f} | "
+                     f"{ms(r['forward_s'])} / {ms(r['backward_s'])} / {ms(r['optimizer_s'])} | "
                      f"{r['peak_memory_gb']:.1f} | {mfu} | {r['first_step_s']:.1f} |")
     return "\n".join(lines)
 
@@ -271,6 +354,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=0, help="openk3's chunked loss (tokens per chunk), 0 = off")
     ap.add_argument("--profile", action="store_true", help="profile one extra step of every run (top ops -> JSON)")
+    ap.add_argument("--find-syncs", action="store_true",
+                    help="one more step of every run in CUDA's sync debug mode: where the host waits (-> JSON)")
     ap.add_argument("--skip-logits", action="store_true", help="skip the fp32 logits comparison")
     ap.add_argument("--dump-fla-configs", default=None,
                     help="after the runs, write fla's tuned kernel configs here (openk3/ops/kda/tuned.py)")
@@ -334,11 +419,12 @@ def main() -> None:
                 todo.append((name, lambda fc=fc, qat=qat, n=name: openk3_run(n, None, fc, "copy", False, qat, ids,
                                                                              args, prof_dir)))
             else:
-                base = name.removesuffix("_compiled")
+                graphed = name.endswith("_graphed")
+                compiled = name.removesuffix("_graphed").endswith("_compiled")
+                base = name.removesuffix("_graphed").removesuffix("_compiled")
                 recipe = {"openk3_recipe": "copy", "openk3_recipe_autocast": "autocast"}.get(base)
-                todo.append((name, lambda n=name, b=base, r=recipe: openk3_run(n, ckpt, config, r,
-                                                                               b == "openk3_packed", False, ids, args,
-                                                                               prof_dir, compile=n != b)))
+                todo.append((name, lambda n=name, b=base, r=recipe, c=compiled, g=graphed: openk3_run(
+                    n, ckpt, config, r, b == "openk3_packed", False, ids, args, prof_dir, compile=c, graphed=g)))
         if args.ablate:
             for feat, fc in ablations(config).items():
                 n = f"ablate_{feat}"
@@ -352,6 +438,10 @@ def main() -> None:
                 result["runs"][name] = fn()
             except torch.OutOfMemoryError as e:
                 result["runs"][name] = {"error": f"out of memory: {str(e)[:200]}"}
+                free()
+            except Exception as e:  # noqa: BLE001 -- one failing run (a capture refused, say) must not lose the rest
+                traceback.print_exc()
+                result["runs"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 free()
             if args.dump_fla_configs:  # after every run: a timeout later still leaves the configs tuned so far
                 import triton
