@@ -50,8 +50,8 @@ class GraphedStep:
 
     The constructor runs `warmup` steps on a side stream (as PyTorch's CUDA-graph notes ask: lazy initialisation of
     cuBLAS / cuDNN handles happens there, not in the capture), then records one step; `replay()` runs it again on the
-    current inputs. NOTE: the captured step IS a training step: the warm-up and the capture each update the
-    weights once, like any step."""
+    current inputs. NOTE: the warm-up steps are training steps (they update the weights); the capture only records
+    its kernels, so after the constructor the weights have taken `warmup` steps and each replay is one more."""
 
     def __init__(self, step: Callable[[], Tensor], grads_to_none: Callable[[], None], warmup: int = 1):
         """grads_to_none: sets every gradient the step produces to None (the optimizer's zero_grad(set_to_none=True)),
