@@ -78,13 +78,29 @@ def orthogonalize(m_BRC: Tensor, steps: int = NS_STEPS) -> Tensor:
     started from X / ||X||_F (so every singular value is <= 1). The coefficients trade exact
     convergence for speed: after 5 steps the singular values sit roughly in [0.68, 1.14] (the
     tests see that on random matrices), which Muon tolerates. Wide orientation (R <= C) keeps the Gram matrix X X^T the small one.
+    The two halves, `start_norm` and `newton_schulz`, are what the batched step (`Muon._step_batched`) calls between
+    its own passes.
     """
-    a, b, c = NS_COEFFICIENTS
     x_BRC = m_BRC.bfloat16()
+    return newton_schulz(x_BRC / start_norm(x_BRC), steps)
+
+
+def start_norm(x_BRC: Tensor) -> Tensor:
+    """||X||_F of each matrix, clamped at NS_EPS: [B, R, C] -> [B, 1, 1], in x's dtype (bf16 for `orthogonalize`).
+    NOTE: computed on the wide orientation (X^T of a tall matrix), where `orthogonalize` has always computed it: the
+    same op on the same layout, so the batched step's norms are the per-parameter step's bit for bit on the CPU."""
+    wide_BRC = x_BRC.mT if x_BRC.shape[-2] > x_BRC.shape[-1] else x_BRC
+    return wide_BRC.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+
+
+def newton_schulz(x_BRC: Tensor, steps: int = NS_STEPS) -> Tensor:
+    """`orthogonalize`'s iterations on an already normalised bf16 batch x (every ||X||_F <= 1): [B, R, C] -> [B, R, C].
+    A tall batch runs transposed (the Gram matrix X X^T the small one); the result of a tall batch is a transposed
+    view ([B, R, C] with the memory of [B, C, R])."""
+    a, b, c = NS_COEFFICIENTS
     tall = x_BRC.shape[-2] > x_BRC.shape[-1]
     if tall:
         x_BRC = x_BRC.mT
-    x_BRC = x_BRC / x_BRC.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
     for _ in range(steps):
         gram_BRR = x_BRC @ x_BRC.mT
         poly_BRR = torch.baddbmm(gram_BRR, gram_BRR, gram_BRR, beta=b, alpha=c)
