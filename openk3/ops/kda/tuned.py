@@ -11,8 +11,10 @@ head counts, head dims, flags and dtypes, in a few kernels the batch size, never
 covers every length of a model shape); any other key autotunes as before. "fuzzy" would hand a config tuned at head dim 128 to a kernel at
 64, whose shared memory needs differ. A user's own FLA_CONFIG_DIR / FLA_CACHE_MODE always win.
 
-What is shipped (fla_configs/NVIDIA_H200/): the 14 KDA kernels of `kimi-linear-1.5b` training (16 heads x 128,
-bf16), each the best of three candidates (`limit_fla_autotuning`), dumped by bench/vs_transformers.py on the H200.
+What is shipped (fla_configs/NVIDIA_H200/): the KDA kernels of `kimi-linear-1.5b` training (16 heads x 128, bf16),
+each the best of three candidates (`limit_fla_autotuning`), and the short conv's two kernels and the gate's backward
+tuned over every candidate (OPENK3_FLA_AUTOTUNE=full; the three-candidate pick of the conv kernels was all BD=16,
+the full tune chose BD=32, 3 stages), dumped by bench/vs_transformers.py on the H200.
 
 Every key without a shipped config autotunes, but over at most three candidates (`limit_fla_autotuning`, on by
 default; OPENK3_FLA_AUTOTUNE=full keeps every candidate): fla compiles each candidate (12 to 36 per KDA kernel)
