@@ -11,7 +11,7 @@ names and config.json, which transformers' `KimiLinearForCausalLM` loads. Then, 
                     last token (engine: continuous batching and its default decode path; transformers `generate`);
   prefill           time to the first token of one prompt of 8K/32K/64K tokens;
   prefix_hit_ttft   time to first token of a 32K-token turn cold vs after a prefix hit (engine only: transformers
-                    has no prefix cache across calls);
+                    has no prefix cache across calls), and the host split of another hit turn (`host_split`);
   speculative       speculative decoding at batch 1 with a trained draft: the target (this model) and a 2-layer
                     half-width draft train briefly in turn on the same corpus (the stdlib's .py files) with the same
                     BPE tokenizer, then decode held-out prompts greedily: acceptance rate, tokens/s and speed-up per
@@ -296,8 +296,45 @@ def part_prefix_hit(model, args, rng) -> dict:
     hit_s, cold_s = hit.first_token_at - hit.submitted_at, cold.first_token_at - cold.submitted_at
     print(f"  {len(turn)}-token turn: cold {1e3 * cold_s:.1f} ms, after a prefix hit of {hit.cached_tokens} tokens "
           f"{1e3 * hit_s:.1f} ms ({cold_s / hit_s:.1f}x)", flush=True)
+    split = host_split(warm, second_turn())
+    print("  host split of another hit turn (cProfile, ms): " +
+          ", ".join(f"{k} {v['ms']:.2f}" for k, v in split.items()), flush=True)
     return {"turn_tokens": len(turn), "cached_tokens": hit.cached_tokens, "cold_ttft_s": cold_s,
-            "hit_ttft_s": hit_s, "hit_over_cold": hit_s / cold_s, "same_first_token": hit.output == cold.output}
+            "hit_ttft_s": hit_s, "hit_over_cold": hit_s / cold_s, "same_first_token": hit.output == cold.output,
+            "hit_host_split": split}
+
+
+def host_split(engine: Engine, prompt: list[int]) -> dict:
+    """Where the host's time goes in the steps that serve one turn of `prompt` to its first (and only) token, from
+    cProfile: cumulative ms and calls of the engine's pieces (the submit's checks, the prefix cache's lookup, its
+    restore of pages and the KDA checkpoint, the forwards, publishing blocks and checkpoints (the prompt end's and
+    the turn end's, which the one-token turn writes in the same step), the first token's sampling) and of the
+    whole steps. cProfile slows Python, so the pieces are a split, not timings; on the GPU a piece that reads a
+    device value back also holds the device time before it (docs/engine.md "Host time of a prefill and of a
+    prefix hit")."""
+    import cProfile
+    import inspect
+    import pstats
+    from openk3.serve.cache import PrefixCache
+    from openk3.serve.runner import ModelRunner
+    from openk3.serve.sampler import sample_tokens
+    pieces = {"submit": Engine.submit, "step": Engine.step, "prefix_lookup": PrefixCache.lookup,
+              "prefix_use": PrefixCache.use, "forward": ModelRunner.forward,
+              "model_forward": K3ForCausalLM.forward, "publish_blocks": PrefixCache.publish_blocks,
+              "checkpoint": PrefixCache.checkpoint, "sample_first_token": sample_tokens, "join": ModelRunner.join}
+    profile = cProfile.Profile()
+    profile.enable()
+    req = engine.submit(prompt, greedy(1))
+    while not req.finished:
+        engine.step()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    out = {}
+    for name, fn in pieces.items():
+        code = inspect.unwrap(fn).__code__
+        row = stats.get((code.co_filename, code.co_firstlineno, code.co_name))
+        out[name] = {"ms": 1e3 * row[3] if row else 0.0, "calls": row[1] if row else 0}
+    return out
 
 
 # ------------------------------------------------------------------------------------------ trained draft
@@ -525,6 +562,9 @@ def summary(results: dict) -> str:
         t = results["prefix_hit_ttft"]
         lines += ["", f"TTFT of a {t['turn_tokens']}-token turn: cold {t['cold_ttft_s']:.3f} s, after a prefix hit "
                       f"{t['hit_ttft_s']:.3f} s ({t['hit_over_cold']:.3f} of cold)"]
+        if "hit_host_split" in t:
+            lines += ["host split of a hit turn (cProfile ms): " +
+                      ", ".join(f"{k} {v['ms']:.2f}" for k, v in t["hit_host_split"].items())]
     if "speculative" in results and "draft_params" in results["speculative"]:
         sp = results["speculative"]
         lines += ["", f"speculative decoding at batch 1, {sp['prompts']} held-out prompts; plain engine "

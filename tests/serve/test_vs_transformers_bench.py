@@ -29,6 +29,9 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
         split = row["openk3_ttft_s"] + 5 * row["openk3_decode_ms_per_step"] / 1e3
         assert row["openk3_ttft_s"] > 0 and row["openk3_decode_ms_per_step"] > 0 and split <= row["openk3_seconds"]
     assert data["prefix_hit_ttft"]["cached_tokens"] > 0 and data["prefix_hit_ttft"]["same_first_token"]
+    split = data["prefix_hit_ttft"]["hit_host_split"]  # one hit turn: one lookup, one restore, one forward in its step
+    assert split["prefix_lookup"]["calls"] == split["prefix_use"]["calls"] == split["forward"]["calls"] == 1
+    assert 0 < split["model_forward"]["ms"] < split["forward"]["ms"] < split["step"]["ms"]
     assert data["speculative"]["k=2"]["greedy_output_equal"]
     assert data["memory"]["max_batch_32k"] > 0
     main(["--config", "tiny", "--skip-transformers", "--out", str(out), "--parts", "memory", *SMALL])

@@ -75,7 +75,8 @@ def chunk_kda_torch(
     bounds = sequence_bounds(cu_seqlens, B, T)
     lengths = torch.tensor([end - start for _, start, end in bounds], device=q.device)
     starts = torch.tensor([row * T + start for row, start, _ in bounds], device=q.device)
-    padded_len = -(-int(lengths.max()) // chunk_size) * chunk_size
+    # the longest from the host's bounds, not lengths.max(): reading that back is a host sync per layer and forward
+    padded_len = -(-max(end - start for _, start, end in bounds) // chunk_size) * chunk_size
     position = torch.arange(padded_len, device=q.device)
     is_real_NL = position[None, :] < lengths[:, None]
     # Each padded slot reads its token from the flattened [B*T] stream, or the extra zero row B*T.
