@@ -67,7 +67,9 @@ def test_fused_forward_matches_the_modules(family):
             want = model(ids).logits
         with fused.applied(), CountMatmuls() as fewer:
             got = model(ids).logits
-    assert rel_err(got, want) < 1e-6
+    # NOTE: 1e-6 held when written and measured 1.48e-6 on a later machine (the K3 family, same torch): a stacked GEMM
+    # sums in another order; any wrong split or stale copy is O(1)
+    assert rel_err(got, want) < 5e-6
     saved = sum(len(s.linears) - 1 for _, s in fused.stacks)
     assert saved > 0 and plain.mm - fewer.mm == saved
     # over the cache the rounding of earlier forwards carries on in the states (measured up to 1.2e-6)
