@@ -4,17 +4,14 @@ and in one process, the batched step against the per-parameter one.
     python bench/parallel_muon.py --preset tiny --world 2          # CPU, gloo: 1 process unsharded vs 2 FSDP2 ranks
     python bench/parallel_muon.py --preset k3-1b --plan-only        # the plan alone (meta device, nothing allocated)
     python bench/parallel_muon.py --preset kimi-linear-1.5b --layers 4 --one-process   # batched vs per-parameter
-    python bench/parallel_muon.py --preset kimi-linear-1.5b --one-process --device cuda --steps 20   # + compiled
 
 Plan: every Muon parameter that FSDP2 splits across rows of its matrices (all of them except the expert stacks,
 whose shards hold whole experts) is assigned to one rank by `optim.owners_by_cost`; the table gives, for world sizes
 2, 4 and 8, the busiest rank's Newton-Schulz multiply-adds against the ideal total / world. Timing: the same random
 gradients, `Muon.step` (the Muon groups only: AdamW is elementwise), the median of `--steps` steps after one warm-up:
 in one process on the whole model, both batched (the default) and per-parameter (`Muon(batched=False)`, the
-reference; issue #11) on two copies of the model, their steps alternating; with `--device cuda` also the batched
-step with its passes eager (`Muon(compile=None)`) on a third copy, next to the default one whose passes are
-torch.compile'd (the warm-up step compiles them; each CUDA step is timed between two synchronisations); and unless
---one-process, on `--world` gloo ranks on FSDP2 shards (the slowest rank's time, CPU only).
+reference; issue #11) on two copies of the model, their steps alternating; and unless --one-process, on `--world`
+gloo ranks on FSDP2 shards (the slowest rank's time).
 `--layers N` keeps the preset's first N layers (its KDA/MLA pattern cut there): the shapes of the full model at a
 size the CPU can step.
 Prints a table, writes JSON (bench/results/parallel_muon_<preset>[_<N>layers].json), and states the hardware.
@@ -76,36 +73,26 @@ def plan_balance(config: K3Config, worlds=(2, 4, 8)) -> list[dict]:
     return rows
 
 
-def muon_step_seconds(models: list[K3ForCausalLM], steps: int, settings: list[dict]) -> list[float]:
-    """The median seconds of one `Muon.step` of each model, its own optimiser built with its settings (build_optimizer's
-    muon_batched, muon_compile). The models' steps alternate, so a load that comes and goes on a shared machine falls
-    on all of them alike."""
+def muon_step_seconds(models: list[K3ForCausalLM], steps: int, batched: list[bool]) -> list[float]:
+    """The median seconds of one `Muon.step` of each model, its own optimiser batched or not. The models' steps
+    alternate, so a load that comes and goes on a shared CPU falls on all of them alike."""
     muons = []
-    for model, kwargs in zip(models, settings, strict=True):
-        muon = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config), **kwargs).optimizers[0]
-        device = next(model.parameters()).device
-        gen = torch.Generator(device).manual_seed(0)
+    for model, flag in zip(models, batched, strict=True):
+        muon = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config), muon_batched=flag).optimizers[0]
+        gen = torch.Generator().manual_seed(0)
         for p in (p for g in muon.param_groups for p in g["params"]):
-            full = torch.randn(p.shape, generator=gen, device=device)
+            full = torch.randn(p.shape, generator=gen)
             p.grad = (torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements)
                       if isinstance(p, torch.distributed.tensor.DTensor) else full)
-        muon.step()  # warm-up: momentum buffers (and on CUDA the compiled passes)
+        muon.step()  # warm-up: momentum buffers
         muons.append(muon)
     seconds = [[] for _ in muons]
     for _ in range(steps):
         for muon, times in zip(muons, seconds):
-            synchronize()
             t0 = time.perf_counter()
             muon.step()
-            synchronize()
             times.append(time.perf_counter() - t0)
     return [statistics.median(times) for times in seconds]
-
-
-def synchronize() -> None:
-    """Wait for the GPU's queued work (a step's time is its kernels', not their launches'); nothing on the CPU."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def _rank(rank: int, world: int, port: int, preset: str, layers: int | None, steps: int, out: str) -> None:
@@ -115,7 +102,7 @@ def _rank(rank: int, world: int, port: int, preset: str, layers: int | None, ste
     torch.manual_seed(0)
     model = K3ForCausalLM(bench_config(preset, layers))
     apply_fsdp(model, build_mesh(ParallelDims(), DistEnv(rank, world, rank, torch.device("cpu"))))
-    seconds = torch.tensor(muon_step_seconds([model], steps, [{}])[0])
+    seconds = torch.tensor(muon_step_seconds([model], steps, [True])[0])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": float(seconds)}))
@@ -130,47 +117,28 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep the preset's first N layers")
     ap.add_argument("--plan-only", action="store_true")
     ap.add_argument("--one-process", action="store_true", help="no FSDP ranks: batched vs per-parameter only")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda: one process only (the FSDP2 ranks run on gloo)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
-    if device.type != "cpu" and not (args.one_process or args.plan_only):
-        raise ValueError(f"--device {args.device} times one process only: add --one-process (the FSDP2 ranks are "
-                         f"gloo processes on the CPU)")
     config = bench_config(args.preset, args.layers)
     name = args.preset if args.layers is None else f"{args.preset}_{args.layers}layers"
     result = {"preset": args.preset, "layers": config.num_hidden_layers,
-              "device": str(device),
               "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-                          + (f"{torch.cuda.get_device_name(device)}, " if device.type == "cuda" else "")
-                          + f"torch {torch.__version__}", "plan": plan_balance(config)}
+                          f"torch {torch.__version__}", "plan": plan_balance(config)}
     print(f"{name}: Newton-Schulz plan over the row-sharded Muon matrices")
     print("| world | matrices | busiest rank / ideal |\n|---|---|---|")
     for row in result["plan"]:
         print(f"| {row['world']} | {row['matrices']} | {row['max_over_ideal']:.3f} |")
     if not args.plan_only:
         torch.set_num_threads(1)
-        # per-parameter; batched (its default: passes compiled on CUDA, eager on the CPU); on CUDA batched eager too
-        runs = {"per_parameter": {"muon_batched": False}, "batched": {}}
-        if device.type == "cuda":
-            runs["batched_eager"] = {"muon_compile": None}
         models = []
-        for _ in runs:
+        for _ in range(2):
             torch.manual_seed(0)
-            with device:
-                models.append(K3ForCausalLM(config))
-        one = dict(zip(runs, muon_step_seconds(models, args.steps, list(runs.values()))))
+            models.append(K3ForCausalLM(config))
+        one = dict(zip(("per_parameter", "batched"), muon_step_seconds(models, args.steps, [False, True])))
         del models
         result.update(one_process_s=one["batched"], one_process_per_parameter_s=one["per_parameter"])
-        line = (f"Muon.step in one process on {device}, 1 thread: {one['per_parameter'] * 1e3:.0f} ms per parameter, "
-                f"{one['batched'] * 1e3:.0f} ms batched ({one['per_parameter'] / one['batched']:.2f}x)")
-        if "batched_eager" in one:
-            result.update(one_process_batched_eager_s=one["batched_eager"])
-            line += (f"; batched with eager passes {one['batched_eager'] * 1e3:.0f} ms (compiled passes: "
-                     f"{one['batched_eager'] / one['batched']:.2f}x)")
-        print(line)
+        print(f"Muon.step in one process, 1 thread: {one['per_parameter'] * 1e3:.0f} ms per parameter, "
+              f"{one['batched'] * 1e3:.0f} ms batched ({one['per_parameter'] / one['batched']:.2f}x)")
     if not (args.plan_only or args.one_process):
         import socket
 

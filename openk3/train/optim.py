@@ -30,10 +30,9 @@ Precision: parameters, gradients, momentum and AdamW moments stay in the paramet
 masters); Newton-Schulz runs in bf16, as Keller Jordan's Muon, Moonlight and torch.optim.Muon do.
 
 Speed (issue #11): on plain tensors Muon's step is batched: one Newton-Schulz per block shape over every
-parameter and group (`batch_plan`, cut at MAX_BATCH_BYTES), momentum, decay and update in three passes a parameter
-(`momentum_to_bf16`, the normalise, `decay_add_`), the first and last torch.compile'd into one kernel each for fp32
-CUDA parameters (`fused_backend`); `Muon(batched=False)` keeps the per-parameter step as the reference. AdamW
-takes torch's fused kernel when every parameter is a plain CUDA tensor (`adamw_fused`).
+parameter and group (`batch_plan`, cut at MAX_BATCH_BYTES), momentum, decay and update as torch._foreach_*
+ops; `Muon(batched=False)` keeps the per-parameter step as the reference. AdamW takes torch's fused kernel
+when every parameter is a plain CUDA tensor (`adamw_fused`).
 
 Sharded parameters (FSDP2 DTensors, openk3/parallel/fsdp.py): Newton-Schulz needs each whole matrix
 (or whole head block / expert slice). Each such parameter is assigned to one rank (`owners_by_cost`:
@@ -48,7 +47,6 @@ parallelism) are the exception: each shard holds whole experts, so each rank ort
 with no exchange. AdamW and QK-Clip act elementwise (per row), so they work on the shards directly.
 """
 
-import functools
 import math
 import re
 from collections.abc import Mapping
@@ -63,10 +61,8 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 # Cap of one batched Newton-Schulz's bf16 input (`batch_plan`). 512 MiB holds hundreds of matrices of the largest
 # Muon shapes (341 expert slices of [512, 1536]), enough that launches no longer matter (kimi-linear-1.5b: 232 Muon
-# tensors, 2287 matrices, 15 batches), while a batch's transient peak (about 3x the cap, the batch and two
-# Newton-Schulz iterates, plus the Gram matrices: 0.7x more for [512, 1536], 2x for square blocks; under 2.5 GiB)
-# stays below what the per-parameter step already held: every fp32 update at once, 5.6 GB for that model's 1.39e9
-# Muon parameters.
+# tensors, 2287 matrices, 15 batches), while a batch's transient peak (about 5x the cap, 2.5 GiB) stays below what
+# the per-parameter step already held: every fp32 update at once, 5.6 GB for that model's 1.39e9 Muon parameters.
 # [inferred: counted, not measured on a GPU]
 MAX_BATCH_BYTES = 512 * 2**20
 
@@ -82,29 +78,13 @@ def orthogonalize(m_BRC: Tensor, steps: int = NS_STEPS) -> Tensor:
     started from X / ||X||_F (so every singular value is <= 1). The coefficients trade exact
     convergence for speed: after 5 steps the singular values sit roughly in [0.68, 1.14] (the
     tests see that on random matrices), which Muon tolerates. Wide orientation (R <= C) keeps the Gram matrix X X^T the small one.
-    The two halves, `start_norm` and `newton_schulz`, are what the batched step (`Muon._step_batched`) calls between
-    its own passes.
     """
-    x_BRC = m_BRC.bfloat16()
-    return newton_schulz(x_BRC / start_norm(x_BRC), steps)
-
-
-def start_norm(x_BRC: Tensor) -> Tensor:
-    """||X||_F of each matrix, clamped at NS_EPS: [B, R, C] -> [B, 1, 1], in x's dtype (bf16 for `orthogonalize`).
-    NOTE: computed on the wide orientation (X^T of a tall matrix), where `orthogonalize` has always computed it: the
-    same op on the same layout, so the batched step's norms are the per-parameter step's bit for bit on the CPU."""
-    wide_BRC = x_BRC.mT if x_BRC.shape[-2] > x_BRC.shape[-1] else x_BRC
-    return wide_BRC.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
-
-
-def newton_schulz(x_BRC: Tensor, steps: int = NS_STEPS) -> Tensor:
-    """`orthogonalize`'s iterations on an already normalised bf16 batch x (every ||X||_F <= 1): [B, R, C] -> [B, R, C].
-    A tall batch runs transposed (the Gram matrix X X^T the small one); the result of a tall batch is a transposed
-    view ([B, R, C] with the memory of [B, C, R])."""
     a, b, c = NS_COEFFICIENTS
+    x_BRC = m_BRC.bfloat16()
     tall = x_BRC.shape[-2] > x_BRC.shape[-1]
     if tall:
         x_BRC = x_BRC.mT
+    x_BRC = x_BRC / x_BRC.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
     for _ in range(steps):
         gram_BRR = x_BRC @ x_BRC.mT
         poly_BRR = torch.baddbmm(gram_BRR, gram_BRR, gram_BRR, beta=b, alpha=c)
@@ -161,15 +141,12 @@ class Muon(torch.optim.Optimizer):
     (R, C) over every group, cut at max_batch_bytes of bf16 input (`batch_plan`, MAX_BATCH_BYTES); issue #11: the
     per-parameter step spent 203-229 ms of an H200 step on kimi-linear-1.5b, in thousands of small launches (the
     batched one 81 ms).
-    compile: whether the batched step's elementwise passes are torch.compile'd (`fused_backend`): "auto" (Inductor for
-    fp32 CUDA parameters, eager elsewhere), None (eager) or a torch.compile backend (fp32 parameters only).
     batched=False is the per-parameter step, the reference the tests compare it with. DTensor parameters
     (FSDP2, expert parallelism) always take the per-parameter path with its sharded Newton-Schulz.
     """
 
     def __init__(self, params, lr: float, weight_decay: float = 0.1, momentum: float = 0.95,
-                 head_dim: int | None = None, batched: bool = True, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 compile: str | None = "auto"):
+                 head_dim: int | None = None, batched: bool = True, max_batch_bytes: int = MAX_BATCH_BYTES):
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -178,23 +155,17 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if max_batch_bytes <= 0:
             raise ValueError(f"max_batch_bytes must be > 0, got {max_batch_bytes}")
-        if compile not in COMPILE_CHOICES and compile not in torch._dynamo.list_backends(exclude_tags=()):
-            raise ValueError(f"compile must be one of {COMPILE_CHOICES} or a torch.compile backend, got {compile!r}")
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "head_dim": head_dim}
         super().__init__(params, defaults)
         # not group keys: a batch mixes groups, and the state dict stays the per-parameter step's
-        self.batched, self.max_batch_bytes, self.compile = batched, max_batch_bytes, compile
+        self.batched, self.max_batch_bytes = batched, max_batch_bytes
         for group in self.param_groups:
             for p in group["params"]:
                 matrix_blocks(torch.empty(p.shape, device="meta"), group["head_dim"])  # shape check only (p may be sharded)
-                if compile not in COMPILE_CHOICES and p.dtype != torch.float32 and not isinstance(p, DTensor):
-                    raise ValueError(f"compile={compile!r} compiles the batched step of fp32 parameters only "
-                                     f"(`fused_backend`), got a {p.dtype} parameter of shape {tuple(p.shape)}")
 
     def __getstate__(self) -> dict:
         # torch.optim pickles (and deep-copies) only defaults, state and param_groups
-        return {**super().__getstate__(), "batched": self.batched, "max_batch_bytes": self.max_batch_bytes,
-                "compile": self.compile}
+        return {**super().__getstate__(), "batched": self.batched, "max_batch_bytes": self.max_batch_bytes}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -241,118 +212,40 @@ class Muon(torch.optim.Optimizer):
 
     def _step_batched(self, todo: list[tuple[Tensor, dict]]) -> None:
         """The step of these plain-tensor parameters (the per-parameter one's arithmetic, bit for bit on the CPU),
-        batched: their matrix blocks grouped by shape and cut into batches by `batch_plan`. Per batch, three passes
-        over the parameters (issue #11: the step's elementwise work was ~70 bytes of memory traffic a fp32 parameter,
-        in 9 passes; now 28 in 3, compiled, docs/training.md):
-            1. `momentum_to_bf16` on each parameter's piece: the momentum EMA in place; the Nesterov update as bf16
-               (no fp32 update) and each block's start norm
-            2. that bf16 update divided by its norms, written into the piece's place of the batch; then ONE
-               `newton_schulz` on the batch
-            3. `decay_add_` on each piece: weight decay and the scaled update, read straight from the bf16 result
-        Passes 1 and 3 are torch.compile'd where `fused_backend` says so (fp32 CUDA parameters by default: one fused
-        kernel each); else, or on the CPU, they run eagerly: the per-parameter step's ops in its order. A parameter
-        whose blocks straddle two batches is updated through views of those blocks, each exactly once."""
+        batched: their matrix blocks grouped by shape and cut into batches by `batch_plan`; per batch, the momentum
+        and Nesterov update with `torch._foreach_*` written straight into one [B, R, C] tensor, ONE `orthogonalize`,
+        the result copied back into it (so a batch's transient memory is one fp32 copy plus Newton-Schulz's bf16
+        ones), then weight decay and the scaled update with `_foreach_mul_` / `_foreach_add_`.
+
+        A parameter whose blocks straddle two batches is updated through views of those blocks, each exactly once."""
         grads = [matrix_blocks(p.grad, group["head_dim"]) for p, group in todo]
         bufs = [matrix_blocks(self.state[p]["momentum_buffer"], group["head_dim"]) for p, group in todo]
         params = [matrix_blocks(p, group["head_dim"]) for p, group in todo]
         keys = [(tuple(g.shape[1:]), g.dtype, g.device) for g in grads]
         for batch in batch_plan([(key, g.shape[0]) for key, g in zip(keys, grads)], self.max_batch_bytes):
-            (rows, cols), dtype, device = keys[batch[0][0]]
-            backend = fused_backend(self.compile, dtype, device)
-            momentum_pass, update_pass = ((momentum_to_bf16, decay_add_) if backend is None else
-                                          (compiled(momentum_to_bf16, backend), compiled(decay_add_, backend)))
-            # NOTE: compiled passes take their factors as 0-d CPU tensors, which Inductor passes to its kernels as
-            # scalars: a Python float would be baked into the graph, one compile per learning rate of the schedule.
-            # And their tensors as .detach()ed aliases of the pieces (the same memory, written in place): dynamo
-            # guards on a view's base (the whole parameter's shape), one compile per kind of parameter otherwise.
-            factor = (lambda v: v) if backend is None else (lambda v: torch.tensor(v, dtype=dtype))
-            sizes = [stop - start for _, start, stop in batch]
-            x_BRC = torch.empty((sum(sizes), rows, cols), dtype=torch.bfloat16, device=device)
-            for (i, start, stop), x_slice in zip(batch, x_BRC.split(sizes)):
-                momentum = todo[i][1]["momentum"]
-                x, norm = momentum_pass(grads[i][start:stop].detach(), bufs[i][start:stop].detach(),
-                                        factor(momentum), factor(1 - momentum))
-                torch.div(x, norm, out=x_slice)  # `orthogonalize`'s x / norm, written into the batch
-            o_BRC = newton_schulz(x_BRC)
-            for (i, start, stop), o in zip(batch, o_BRC.split(sizes)):
-                decay, alpha = step_factors(todo[i][1], rows, cols)
-                update_pass(params[i][start:stop].detach(), o.detach(), factor(decay), factor(alpha))
-
-
-# The batched step's passes (issue #11). Plain PyTorch: eagerly they are the per-parameter step's ops in its order
-# (bit for bit on the CPU); torch.compile'd (`compiled`) each becomes one fused kernel a piece.
-
-def momentum_to_bf16(grad_BRC: Tensor, buf_BRC: Tensor, momentum: float | Tensor,
-                     ema: float | Tensor) -> tuple[Tensor, Tensor]:
-    """Pass 1 of the batched step on one parameter's blocks [B, R, C] (a piece of a batch):
-
-        buf  <- buf + ema (grad - buf)              ema = 1 - momentum: the momentum EMA (torch.lerp), in place
-        x     = bf16(grad + momentum (buf - grad))  the Nesterov update, rounded to bf16 as `orthogonalize` rounds it
-        norm  = start_norm(x)                       [B, 1, 1] bf16
-    Returns (x, norm); the caller divides x by norm into the piece's place of the Newton-Schulz batch.
-
-    momentum and ema: Python floats, or 0-d tensors of the parameters' dtype when compiled (`_step_batched`); ema is
-    passed, not computed here, because 1 - momentum in fp32 rounds otherwise than the per-parameter step's Python
-    float. Compiled, one kernel reads grad and buf (8 bytes a fp32 parameter) and writes buf and x (6 bytes): no fp32
-    update is materialised. NOTE: x is a new tensor, not a slice of the batch written in place: a slice's storage
-    offset (0 for a batch's first piece) would be one more thing the compiled graph specialises on."""
-    buf_BRC.lerp_(grad_BRC, ema)
-    x_BRC = grad_BRC.lerp(buf_BRC, momentum).bfloat16()
-    return x_BRC, start_norm(x_BRC)
-
-
-def decay_add_(p_BRC: Tensor, o_BRC: Tensor, decay: float | Tensor, alpha: float | Tensor) -> None:
-    """Pass 3 of the batched step on one parameter's blocks, in place: p <- decay p + alpha o, with o the bf16
-    Newton-Schulz result of these blocks (a piece of the batch's, transposed for tall blocks as the per-parameter
-    step's is). Compiled, one kernel: reads p (4 bytes a fp32 parameter) and o (2), writes p (4).
-
-    decay, alpha: Python floats (eager) or 0-d tensors (compiled). NOTE: add_'s alpha must be a Python number, which
-    torch.compile would bake into the graph; addcmul_ with a 0-d tensor takes it as an input. On fp32 parameters (the
-    only ones `fused_backend` compiles) addcmul_ and add_(alpha=) give the same bits on the CPU (measured: both one
-    rounding of p + alpha o); in bf16 they do not, which is why the eager path keeps add_."""
-    p_BRC.mul_(decay)
-    if isinstance(alpha, Tensor):
-        p_BRC.addcmul_(o_BRC, alpha)
-    else:
-        p_BRC.add_(o_BRC, alpha=alpha)
-
-
-COMPILE_CHOICES = ("auto", None)
-
-
-def fused_backend(compile: str | None, dtype: torch.dtype, device: torch.device) -> str | None:
-    """The torch.compile backend of the batched step's passes for parameters of this dtype and device; None: eager.
-
-    compile="auto" (Muon's default): "inductor" for fp32 CUDA parameters (the recipe's fp32 masters: one fused kernel
-    a pass, issue #11), eager elsewhere: on the CPU, where the eager passes are the per-parameter step bit for bit and
-    Inductor would compile C++ for minutes; and for other dtypes (below). compile=None: always eager. Any other value
-    is a torch.compile backend used for fp32 parameters on every device (tests: "aot_eager" on the CPU).
-    NOTE: only fp32 is compiled: the compiled passes take their factors as 0-d tensors, and a bf16 (fp16) parameter
-    would round them to its dtype (a decay of 0.998 -> 0.99609 in bf16, twice the decay), where the eager passes'
-    Python floats multiply in fp32."""
-    if compile is None or dtype != torch.float32:
-        return None
-    if compile == "auto":
-        return "inductor" if device.type == "cuda" else None
-    return compile
-
-
-# Variants `compiled` makes of a pass at most, whatever the model (read from the guards dynamo reports, TORCH_LOGS=
-# recompiles, on the CPU with aot_eager): torch specialises a size or storage offset of 0 or 1, and `start_norm`
-# branches on R > C. momentum_to_bf16: a piece of one block or several x tall or wide x starting at its parameter's
-# first block or not (storage offset 0) = 8; decay_add_ also x the piece's offset in the batch's Newton-Schulz
-# result (0 for a batch's first piece) = 16. tests/train/test_optim.py's Muon set compiles 9 graphs in all.
-COMPILED_VARIANTS = 16
-
-
-@functools.cache
-def compiled(fn, backend: str):
-    """fn torch.compile'd once per process and backend. dynamic=True: every size and stride is symbolic from the
-    first call, so pieces of any batch size and block shape share a graph, up to COMPILED_VARIANTS of them.
-    NOTE: raises torch's recompile limit (a global setting, 8 by default) to COMPILED_VARIANTS if it is lower: past
-    the limit dynamo would run the pass eagerly (slower, not wrong)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
-    return torch.compile(fn, backend=backend, dynamic=True)
+            rows, cols = keys[batch[0][0]][0]
+            x_BRC = grads[batch[0][0]].new_empty((sum(stop - start for _, start, stop in batch), rows, cols))
+            update = list(x_BRC.split([stop - start for _, start, stop in batch]))
+            grad, buf, param = ([t[i][start:stop] for i, start, stop in batch] for t in (grads, bufs, params))
+            groups = [todo[i][1] for i, _, _ in batch]
+            for momentum, js in _positions_by([g["momentum"] for g in groups]).items():
+                # the EMA and Nesterov of the per-parameter step: buf.lerp_(grad, 1 - mu); grad.lerp(buf, mu)
+                torch._foreach_lerp_(_pick(buf, js), _pick(grad, js), 1 - momentum)
+                torch._foreach_copy_(_pick(update, js), _pick(grad, js))
+                torch._foreach_lerp_(_pick(update, js), _pick(buf, js), momentum)
+            x_BRC.copy_(orthogonalize(x_BRC))
+            for (decay, alpha), js in _positions_by([step_factors(g, rows, cols) for g in groups]).items():
+                ps = _pick(param, js)
+                # NOTE: torch 2.13's CPU _foreach_mul_ rounds a Python scalar to the tensors' dtype first: in bf16 a
+                # decay of 0.999 is 1.0 (none) and 0.998 is 0.99609 (twice the decay). Narrower parameters take the
+                # per-parameter step's mul_, which multiplies in fp32 opmath.
+                wide = [p for p in ps if p.dtype in (torch.float32, torch.float64)]
+                if wide:
+                    torch._foreach_mul_(wide, decay)
+                for p in ps:
+                    if p.dtype not in (torch.float32, torch.float64):
+                        p.mul_(decay)
+                torch._foreach_add_(ps, _pick(update, js), alpha=alpha)
 
 
 def step_factors(group: dict, rows: int, cols: int) -> tuple[float, float]:
@@ -369,8 +262,8 @@ def batch_plan(blocks: list[tuple[object, int]], max_batch_bytes: int) -> list[l
     max(1, max_batch_bytes // (2 R C)) of them (2: the bf16 bytes Newton-Schulz works in), so a group of one key
     larger than that is cut into several batches, if need be inside a parameter.
 
-    NOTE: max_batch_bytes bounds the bf16 input of one Newton-Schulz; a batch's peak is about 3x that (the batch,
-    Newton-Schulz's current and next bf16 iterate) plus the Gram matrices, see MAX_BATCH_BYTES.
+    NOTE: max_batch_bytes bounds the bf16 input of one Newton-Schulz; a batch's peak is about 5x that (its fp32
+    update 2x, Newton-Schulz's current and next bf16 iterate 2x, the Gram matrices), see MAX_BATCH_BYTES.
     """
     by_key: dict[object, list[tuple[int, int]]] = {}
     for i, (key, n) in enumerate(blocks):
@@ -392,6 +285,18 @@ def batch_plan(blocks: list[tuple[object, int]], max_batch_bytes: int) -> list[l
         if batch:
             batches.append(batch)
     return batches
+
+
+def _positions_by(values: list) -> dict[object, list[int]]:
+    """{value: the positions holding it}, in order of first appearance."""
+    positions: dict[object, list[int]] = {}
+    for j, v in enumerate(values):
+        positions.setdefault(v, []).append(j)
+    return positions
+
+
+def _pick(xs: list, js: list[int]) -> list:
+    return [xs[j] for j in js]
 
 
 def block_shape(shape: torch.Size, head_dim: int | None) -> tuple[int, int]:
@@ -618,15 +523,13 @@ def model_head_dims(config) -> dict[str, int]:
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     muon_momentum: float = 0.95, per_head: bool = True,
-                    head_dims: Mapping[str, int] | None = None, muon_batched: bool = True,
-                    muon_compile: str | None = "auto") -> MuonAdamW:
+                    head_dims: Mapping[str, int] | None = None, muon_batched: bool = True) -> MuonAdamW:
     """Muon + AdamW over `model`'s trainable parameters, grouped as in the module docstring.
 
     head_dims: rows per head for each Per-Head Muon role present in the model, keys from
     PER_HEAD_ROLES, e.g. for K3 {"kda": 128, "mla_q": 192, "mla_kv": 256}. Needed when per_head.
     Every group starts at lr (its "base_lr"); AdamW uses betas and eps, and torch's fused kernel where
-    `adamw_fused` says it applies. muon_batched: `Muon`'s batched step (False: the per-parameter reference);
-    muon_compile: `Muon`'s compile (whether the batched step's passes are torch.compile'd, `fused_backend`).
+    `adamw_fused` says it applies. muon_batched: `Muon`'s batched step (False: the per-parameter reference).
     """
     groups = assign_param_groups(model, per_head)
     muon_groups, adamw_groups = [], []
@@ -643,8 +546,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1,
         else:
             decay = weight_decay if group_name == "adamw_decay" else 0.0
             adamw_groups.append({**group, "weight_decay": decay})
-    muon = (Muon(muon_groups, lr=lr, momentum=muon_momentum, batched=muon_batched, compile=muon_compile)
-            if muon_groups else None)
+    muon = Muon(muon_groups, lr=lr, momentum=muon_momentum, batched=muon_batched) if muon_groups else None
     adamw_params = [p for group in adamw_groups for _, p in group["params"]]
     adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps,
                               fused=True if adamw_fused(adamw_params) else None) if adamw_groups else None

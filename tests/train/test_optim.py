@@ -9,7 +9,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from openk3.train import optim
-from openk3.train.compile import compiled_graphs
 from openk3.train.optim import (Muon, MuonAdamW, adamw_fused, assign_param_groups, batch_plan, build_optimizer,
                                 cosine_schedule, orthogonalize, qk_clip_mla_)
 from tests.helpers import rel_norm_err
@@ -197,44 +196,30 @@ MUON_SET = {
 }
 
 
-def scaled_muon_set(k: int) -> dict:
-    """MUON_SET with every block side and head_dim times k and one more expert a stack: other block shapes and batch
-    sizes, the same kinds of pieces (wide and tall, of one block and of several)."""
-    def scale(shape):
-        return (shape[0] + 1, shape[1] * k, shape[2] * k) if len(shape) == 3 else (shape[0] * k, shape[1] * k)
-    return {name: ({**settings, "head_dim": settings["head_dim"] and settings["head_dim"] * k},
-                   [scale(shape) for shape in shapes]) for name, (settings, shapes) in MUON_SET.items()}
-
-
-def muon_set_steps(steps: int = 4, device: str = "cpu", muon_set: dict = MUON_SET,
+def muon_set_steps(steps: int = 4, device: str = "cpu",
                    **muon_kwargs) -> tuple[list[nn.Parameter], Muon, list[tuple[int, ...]]]:
-    """`steps` Muon steps on muon_set from fixed random weights and gradients, each group's learning rate 10% lower a
-    step (as a schedule's changes: a compiled step must not recompile for it); the last parameter has no gradient in
-    step 1 (skipped, as torch.optim skips it). Returns the parameters, the optimiser, and the shape of every batch
-    `newton_schulz` ran on (the batched step calls it once a batch; the per-parameter step, through `orthogonalize`,
-    once a parameter)."""
+    """`steps` Muon steps on MUON_SET from fixed random weights and gradients; the last parameter has no gradient
+    in step 1 (skipped, as torch.optim skips it). Returns the parameters, the optimiser, and the shape of every
+    batch `orthogonalize` was called with."""
     g = torch.Generator().manual_seed(11)
     params, groups = [], []
-    for settings, shapes in muon_set.values():
+    for settings, shapes in MUON_SET.values():
         group = [nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in shapes]
         params += group
         groups.append({"params": group, **settings})
     opt = Muon(groups, lr=0.01, weight_decay=0.1, **muon_kwargs)
-    base_lrs = [group["lr"] for group in opt.param_groups]
     calls = []
-    newton_schulz_ = optim.newton_schulz
-    optim.newton_schulz = lambda x, *a: calls.append(tuple(x.shape)) or newton_schulz_(x, *a)
+    orthogonalize_ = optim.orthogonalize
+    optim.orthogonalize = lambda m, *a: calls.append(tuple(m.shape)) or orthogonalize_(m, *a)
     try:
         for step in range(steps):
             for p in params:
                 p.grad = (torch.randn(p.shape, generator=g) * (step + 1)).to(device)
             if step == 1:
                 params[-1].grad = None
-            for group, lr in zip(opt.param_groups, base_lrs):
-                group["lr"] = lr * (1 - 0.1 * step)
             opt.step()
     finally:
-        optim.newton_schulz = newton_schulz_
+        optim.orthogonalize = orthogonalize_
     return params, opt, calls
 
 
@@ -255,15 +240,13 @@ def test_batched_muon_step_equals_the_per_parameter_step():
 def test_batched_muon_step_of_bf16_parameters_equals_the_per_parameter_step():
     """bf16 parameters: the weight decay 1 - lr wd = 0.998 is applied as the per-parameter step's mul_ does, in fp32
     opmath. NOTE: torch 2.13's CPU _foreach_mul_ rounds a Python scalar to the tensors' dtype first (0.998 -> 0.99609
-    in bf16, twice the decay), which an earlier batched step did (measured here). Tall blocks too ((12, 8), the
-    (3, 10, 6) stack): the batched step adds the transposed Newton-Schulz output as the per-parameter step does (an
-    earlier batched step copied it to a contiguous buffer first, and torch's bf16 add_ rounds the two layouts 1 ulp
-    apart)."""
+    in bf16, twice the decay), which the batched step did (measured here). Wide blocks only: for a tall block the
+    per-parameter step adds the transposed (non-contiguous) Newton-Schulz output, and torch's bf16 add_ rounds that
+    layout 1 ulp apart from a contiguous one, so there bit equality is not the per-parameter step's to give."""
     def steps(batched: bool) -> tuple[list[nn.Parameter], Muon]:
         g = torch.Generator().manual_seed(5)
-        shapes = [(8, 12), (3, 6, 10), (12, 8), (3, 10, 6), (12, 24)]
-        params = [nn.Parameter(torch.randn(shape, generator=g).bfloat16()) for shape in shapes]
-        opt = Muon([{"params": params[:4]}, {"params": params[4:], "head_dim": 4, "lr": 0.04}], lr=0.02,
+        params = [nn.Parameter(torch.randn(shape, generator=g).bfloat16()) for shape in [(8, 12), (3, 6, 10), (12, 24)]]
+        opt = Muon([{"params": params[:2]}, {"params": params[2:], "head_dim": 4, "lr": 0.04}], lr=0.02,
                    weight_decay=0.1, batched=batched)
         for step in range(3):
             for p in params:
@@ -277,70 +260,19 @@ def test_batched_muon_step_of_bf16_parameters_equals_the_per_parameter_step():
         assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]), i
 
 
-CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.mark.parametrize("device, compile", [("cpu", "aot_eager"), pytest.param("cuda", "auto", marks=CUDA),
-                                             pytest.param("cuda", None, marks=CUDA)])
-def test_compiled_batched_muon_step_is_the_per_parameter_step(device, compile):
-    """The batched step's passes torch.compile'd (issue #11): on CUDA by default ("auto": Inductor), and on the CPU
-    through AOTAutograd ("aot_eager": the same traced graphs run by eager kernels, a stand-in that catches tracing
-    errors without a GPU); also CUDA's eager batched step (compile=None).
-    The first step compiles a variant of each pass per kind of piece it meets (`optim.COMPILED_VARIANTS`: one
-    block or more, wide or tall, at storage offset 0 or not); further steps with new learning rates, a batch cap that
-    cuts other batch sizes and a parameter across two batches, and a set of other block shapes and batch sizes
-    compile nothing more (measured with aot_eager: 9 graphs in all; with dynamic=False it was 20, the scaled set
-    compiling anew).
-    Equality: on the CPU bit for bit (measured: aot_eager runs the eager kernels, and the compiled passes' addcmul_
-    is add_(alpha=)'s rounding in fp32). On CUDA the batched bmm and Inductor's fused norm may round otherwise than
-    the per-matrix eager kernels. NOTE: not measured yet (no GPU where this was written): 2e-2 is about 5 bf16
-    epsilons of the weights' total change, a bound that catches a wrong block, scale or momentum (errors of order 1);
-    the measured errors are printed (pytest -s) to set it just above."""
-    torch._dynamo.reset()
-    before = compiled_graphs()
-    muon_set_steps(steps=1, device=device, compile=compile)
-    first_step = compiled_graphs() - before
-    batched, opt, _ = muon_set_steps(device=device, compile=compile)
-    capped, capped_opt, calls = muon_set_steps(device=device, compile=compile, max_batch_bytes=4 * 4 * 24 * 2)
-    assert calls[:3] == [(4, 4, 24), (4, 4, 24), (2, 4, 24)]             # cut inside the 2nd and 3rd head matrices
-    _, _, scaled_calls = muon_set_steps(steps=2, device=device, compile=compile, muon_set=scaled_muon_set(2))
-    assert scaled_calls[:2] == [(10, 8, 48), (5, 12, 20)]
-    total = compiled_graphs() - before
-    print(f"compile={compile} on {device}: {first_step} graphs in the first step, {total} in all")
-    if compile is None:
-        assert total == 0
-    else:
-        assert 0 < first_step <= 2 * optim.COMPILED_VARIANTS     # two passes
-        assert total == first_step, "a later step, another batch size or block shape compiled again"
-    reference, ref_opt, _ = muon_set_steps(device=device, batched=False)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_muon_step_on_cuda_is_the_per_parameter_step():
+    """On CUDA the batched bmm may take other kernels than the per-matrix ones, so the bits may differ.
+    NOTE: not measured yet (no GPU where this was written): 2e-2 is about 5 bf16 epsilons of the weights' total
+    change, a bound that catches a wrong block, scale or momentum (errors of order 1); the measured error is printed
+    (pytest -s) to set it just above."""
+    batched, _, _ = muon_set_steps(device="cuda", batched=True)
+    reference, _, _ = muon_set_steps(device="cuda", batched=False)
     start, _, _ = muon_set_steps(steps=0)
-    for run, run_opt in ((batched, opt), (capped, capped_opt)):
-        if device == "cpu":
-            for i, (p, q) in enumerate(zip(run, reference)):
-                assert torch.equal(p, q), i
-                assert torch.equal(run_opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]), i
-            continue
-        errors = [rel_norm_err(p - w.to(device), q - w.to(device)) for p, q, w in zip(run, reference, start)]
-        buf_errors = [rel_norm_err(run_opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
-                      for p, q in zip(run, reference)]
-        print(f"compile={compile} on {device}: max relative error of the weight change {max(errors):.3e}, "
-              f"of the momentum {max(buf_errors):.3e}")
-        assert max(errors) < 2e-2
-        assert max(buf_errors) < 1e-5                  # fp32 elementwise only: a few ulps
-
-
-def test_compile_setting_is_checked_and_chosen_per_dtype_and_device():
-    with pytest.raises(ValueError, match="'no_such_backend'"):
-        Muon([nn.Parameter(torch.randn(3, 5))], lr=0.1, compile="no_such_backend")
-    with pytest.raises(ValueError, match="fp32 parameters only"):
-        Muon([nn.Parameter(torch.randn(3, 5).bfloat16())], lr=0.1, compile="aot_eager")
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert optim.fused_backend("auto", torch.float32, cuda) == "inductor"
-    assert optim.fused_backend("auto", torch.float32, cpu) is None
-    assert optim.fused_backend("auto", torch.bfloat16, cuda) is None
-    assert optim.fused_backend(None, torch.float32, cuda) is None
-    assert optim.fused_backend("aot_eager", torch.float32, cpu) == "aot_eager"
-    assert copy.deepcopy(Muon([nn.Parameter(torch.randn(3, 5))], lr=0.1, compile=None)).compile is None
+    errors = [rel_norm_err(p - w.cuda(), q - w.cuda()) for p, q, w in zip(batched, reference, start)]
+    print(f"batched vs per-parameter Muon on CUDA, max relative error of the weight change: {max(errors):.3e}")
+    assert max(errors) < 2e-2
 
 
 def test_batch_cap_smaller_than_a_group_gives_the_same_step():
