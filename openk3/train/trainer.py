@@ -985,9 +985,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
         model.to_empty(device=device)
         load_release_sharded(model, init_dir)  # one whole tensor at a time, never the whole model
         print(f"initialised from {init_dir} (each rank read its own shards)")
-    # Muon's elementwise passes compile where the layers do (`--compile off` keeps the whole run eager)
-    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(config),
-                          muon_compile=None if args.compile is None else "auto")
+    opt = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, head_dims=model_head_dims(config))
     world = 1 if dist_env is None else dist_env.world
     if vision:
         stream = synthetic.ImageTextStream(data.tokenizer, config, args.batch_size, args.seq_len, seed=args.seed)
