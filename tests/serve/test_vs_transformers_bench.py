@@ -60,8 +60,10 @@ def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp
             # one round drafts k tokens and keeps the accepted ones plus the target's own: counted apart, they agree
             assert row["tokens_per_round"] == pytest.approx(1 + k * row["acceptance_rate"])
             assert row["greedy_output_equal"], (rows["draft"], k)
-        # drafts both accepted and rejected: the rollback ran, and the outputs still equal the plain engine's
-        assert 0 < rows["k=2"]["acceptance_rate"] < 1
+    # drafts both accepted and rejected: the rollback ran, and the outputs still equal the plain engine's. NOTE: not
+    # asked of each draft: after --quick's 40 steps the early exit (3 of the tiny target's 6 layers) agreed with the
+    # target on no token on one machine (0.0 at k = 2 and 3, the trained draft 64% and 58%) and on some on another
+    assert 0 < sp["k=2"]["acceptance_rate"] < 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers (the bench extra) is absent")
