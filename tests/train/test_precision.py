@@ -16,7 +16,7 @@ from openk3.model.model import keeps_fp32
 from openk3.train.compile import compile_layers
 from openk3.train.optim import build_optimizer, model_head_dims
 from openk3.train.precision import BF16Compute
-from openk3.train.trainer import TrainArgs, bf16_mode, check_args, train
+from openk3.train.trainer import MLAMaxLogits, TrainArgs, bf16_mode, check_args, train
 
 from .test_train import args_for, make_workdir, small_config
 
@@ -100,6 +100,34 @@ def test_an_optimizer_step_on_the_masters_reaches_the_copy():
     bf16.refresh()
     for name, p in bf16.model.named_parameters():
         assert torch.equal(p, masters[name].detach().to(p.dtype)), name
+
+
+def test_qk_clip_watches_the_copy_and_clips_the_masters():
+    """MLAMaxLogits(masters, runs=copy): the copy's forwards give the maxima, the clip scales the masters' q and
+    kv_b rows, and `refresh` carries them into the copy. NOTE: the trainer test's tau (5.0) never clips the small
+    model (its max logit is ~0.05), so this one sets tau below the measured maximum."""
+    model = _model(3)
+    bf16 = BF16Compute(model)
+    max_logits = MLAMaxLogits(model, runs=bf16.model)
+    assert max_logits.layers
+    ids, _ = _batch(5, model.config.vocab_size)
+    with torch.no_grad():
+        model(ids)  # a forward of the masters is not watched
+    assert all(m is None for m in max_logits.max_H)
+    with torch.no_grad():
+        bf16.model(ids)
+    assert all(m is not None for m in max_logits.max_H)
+    tau = 0.5 * min(float(m.max()) for m in max_logits.max_H)
+    attn = max_logits.layers[0]
+    q_name = "q_b_proj" if hasattr(attn, "q_b_proj") else "q_proj"
+    before = getattr(attn, q_name).weight.detach().clone()
+    max_logits.clip_(tau)
+    assert not torch.equal(getattr(attn, q_name).weight, before)  # the master was clipped
+    i = next(i for i, layer in enumerate(model.model.layers) if layer.self_attn is attn)
+    copied = bf16.model.model.layers[i].self_attn
+    assert torch.equal(getattr(copied, q_name).weight, before.bfloat16())  # the copy waits for refresh
+    bf16.refresh()
+    assert torch.equal(getattr(copied, q_name).weight, getattr(attn, q_name).weight.detach().bfloat16())
 
 
 def test_refuses_what_it_cannot_copy():
