@@ -1,5 +1,5 @@
 """bf16 compute over fp32 master weights without autocast: a bf16 copy of the model runs forward and backward
-(issue #11, `openk3 train --dtype bf16 --amp copy`, the default in one process).
+(issue #11, `openk3 train --dtype bf16 --bf16-mode copy`, the default for a text model in one process).
 
     bf16 = BF16Compute(model)            # model: the fp32 masters (optimizer, checkpoints, QK-Clip, balancing)
     out = bf16.model(ids, labels=...)    # the bf16 copy computes
@@ -12,6 +12,8 @@ Why: autocast keeps fp32 parameters and casts each weight to bf16 in every forwa
 and the activations between its bf16 matmuls stay fp32. On one H200 (kimi-linear-1.5b, 8 x 2048 tokens,
 bench/vs_transformers.py) the autocast recipe's compiled forward took 134 ms against 80 ms for the same model with
 bf16 weights (docs/training.md). A bf16 copy makes the recipe's forward and backward the bf16-weights run's.
+Measured as a whole compiled recipe step in one process: 373 ms with the copy against 380 ms under autocast (the
+autocast forward's penalty came and went between steps there; docs/training.md).
 
 What is the same as autocast: the optimizer steps fp32 masters with fp32 gradients; a matmul's weight gradient is
 a bf16 product either way (autocast's cast back to fp32 does not add precision), and micro-batches accumulate in
@@ -46,7 +48,8 @@ class BF16Compute:
             raise ValueError("BF16Compute: build it before compiling; compile the copy (`.model`) instead")
         wrong = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if wrong:
-            raise ValueError(f"BF16Compute needs fp32 master parameters; {wrong[0]} is {model.get_parameter(wrong[0]).dtype}")
+            raise ValueError(f"BF16Compute needs fp32 master parameters; {wrong[0]} is "
+                             f"{model.get_parameter(wrong[0]).dtype}")
         # the module tree is copied, the tensors are not (the memo maps each to itself): a copy then replaces the
         # parameters it computes in bf16, so the fp32 masters are never duplicated in memory
         memo = {id(t): t for t in (*model.parameters(), *model.buffers())}

@@ -66,11 +66,11 @@ from openk3.parallel.mesh import (DistEnv, ParallelDims, build_cp_mesh, build_ep
 from openk3.text.tokenizer import BPE_FILE, TIKTOKEN_FILE, Tokenizer, get_or_train_tokenizer
 from openk3.train import balance
 from openk3.train.compile import BACKENDS as COMPILE_BACKENDS
-from openk3.train.precision import BF16Compute
 from openk3.train.compile import compile_layers
 from openk3.train.data import (IGNORE_INDEX, Batch, PackedDataset, TokenizedCorpus, load_corpus, split_train_val,
                                tokenize_corpus)
 from openk3.train.optim import build_optimizer, cosine_schedule, model_head_dims, qk_clip_mla_
+from openk3.train.precision import BF16Compute
 from openk3.vision import synthetic
 from openk3.vision.model import build_model
 
@@ -950,7 +950,7 @@ def train(args: TrainArgs, resume: bool = False) -> TrainResult:
     if sharded_init:  # built on the meta device; each rank fills only its shards once they exist (below)
         with torch.device("meta"):
             model = K3ForCausalLM(config, qat=qat)
-    elif init_dir is not None:  # parameters stay fp32 in training (--dtype bf16 is autocast)
+    elif init_dir is not None:  # parameters stay fp32 in training (--dtype bf16: a bf16 copy or autocast computes)
         model = load_pretrained(init_dir, dtype=torch.float32, qat=qat)
         print(f"initialised from {init_dir}")
     else:
