@@ -870,15 +870,16 @@ def bf16_mode(args: TrainArgs, distributed: bool) -> str | None:
     if args.dtype != "bf16":
         return None
     vision = get_config(args.config).vision_config is not None
+    why = f"--config={args.config} has a vision tower" if vision else "the run is under torchrun"
     if args.bf16_mode == "copy" and (distributed or vision):
-        raise ValueError("--bf16-mode=copy runs in one process on a text model; under torchrun use autocast (or "
-                         "--fsdp-bf16), and a vision model trains with autocast")
+        raise ValueError(f"--bf16-mode=copy runs in one process on a text model, and {why}: use --bf16-mode "
+                         "autocast" + ("" if vision else " (or --fsdp-bf16)"))
     if args.bf16_mode is not None:
         return args.bf16_mode
     if distributed or vision:
         if args.device != "cuda":
-            raise ValueError("--dtype=bf16 here runs under CUDA autocast (torchrun or a vision model): it needs "
-                             "--device cuda")
+            raise ValueError(f"--dtype=bf16 runs under CUDA autocast here ({why}): it needs --device cuda, not "
+                             f"--device {args.device}")
         return "autocast"
     return "copy"
 

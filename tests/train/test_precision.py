@@ -149,6 +149,9 @@ def test_bf16_mode_defaults_and_errors(tmp_path):
         bf16_mode(TrainArgs(config=config, dtype="bf16"), distributed=True)
     with pytest.raises(ValueError, match="--bf16-mode=copy runs in one process"):
         bf16_mode(TrainArgs(config=config, dtype="bf16", bf16_mode="copy"), distributed=True)
+    with pytest.raises(ValueError, match="--config=tiny-vl has a vision tower"):  # the error names what refuses
+        bf16_mode(TrainArgs(config="tiny-vl", dtype="bf16", bf16_mode="copy"), distributed=False)
+    assert bf16_mode(TrainArgs(config="tiny-vl", dtype="bf16", device="cuda"), distributed=False) == "autocast"
     with pytest.raises(ValueError, match="--bf16-mode='half'"):
         check_args(TrainArgs(config=config, dtype="bf16", bf16_mode="half"))
     with pytest.raises(ValueError, match="this run has --dtype fp32"):
