@@ -11,7 +11,7 @@ names and config.json, which transformers' `KimiLinearForCausalLM` loads. Then, 
                     last token (engine: continuous batching and its default decode path; transformers `generate`);
   prefill           time to the first token of one prompt of 8K/32K/64K tokens;
   prefix_hit_ttft   time to first token of a 32K-token turn cold vs after a prefix hit (engine only: transformers
-                    has no prefix cache across calls), and the host split of another hit turn (`host_split`);
+                    has no prefix cache across calls), and the host split of another hit turn (`hit_host_split`);
   speculative       speculative decoding at batch 1 with a trained draft: the target (this model) and a 2-layer
                     half-width draft train briefly in turn on the same corpus (the stdlib's .py files) with the same
                     BPE tokenizer, then decode held-out prompts greedily: acceptance rate, tokens/s and speed-up per
