@@ -61,7 +61,7 @@ from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_aut
 from openk3.train.compile import compile_layers, compiled_graphs  # noqa: E402
 from openk3.train.graphed import GraphedStep, make_capturable  # noqa: E402
 from openk3.train.optim import build_optimizer, model_head_dims  # noqa: E402
-from openk3.train.precision import BF16Compute  # noqa: E402
+from openk3.train.precision import BF16Compute, MasterStep  # noqa: E402
 
 DEFAULT_RUNS = ("transformers", "openk3_bf16_adamw", "openk3_recipe", "openk3_packed", "openk3_k3_features",
                 "openk3_k3_features_qat")
@@ -222,22 +222,6 @@ def fused_adamw(model) -> torch.optim.AdamW:
     """The bf16-weights baseline's optimizer, the same for both implementations."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
                              weight_decay=0.1, fused=True)
-
-
-class MasterStep:
-    """The recipe's optimizer step over a bf16 copy (`openk3 train --dtype bf16`'s order, trainer.py): the copy's
-    gradients into the fp32 masters, the optimizer step, the masters rounded back into the copy."""
-
-    def __init__(self, bf16: BF16Compute, opt):
-        self.bf16, self.opt = bf16, opt
-
-    def step(self) -> None:
-        self.bf16.accumulate_grads()
-        self.opt.step()
-        self.bf16.refresh()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.opt.zero_grad(set_to_none=set_to_none)
 
 
 def openk3_run(name: str, ckpt: Path | None, config, recipe: str | None, packed: bool, qat: bool, ids, args,

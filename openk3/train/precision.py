@@ -89,3 +89,21 @@ class BF16Compute:
         """Round the masters into the copy (after each optimizer step, QK-Clip, and after loading masters)."""
         if self.pairs:
             torch._foreach_copy_([c for _, c in self.pairs], [m for m, _ in self.pairs])
+
+
+class MasterStep:
+    """An optimizer over the masters seen from the copy's side, for a loop of one micro-batch a step (the benchmark,
+    `GraphedStep`): `step()` moves the copy's gradients into the masters, steps `opt` (built over the masters) and
+    rounds the masters back into the copy. The trainer calls the three itself: it accumulates after every
+    micro-batch and applies QK-Clip and the balancer before the refresh."""
+
+    def __init__(self, bf16: BF16Compute, opt):
+        self.bf16, self.opt = bf16, opt  # `opt`: the name graphed.make_capturable looks for
+
+    def step(self) -> None:
+        self.bf16.accumulate_grads()
+        self.opt.step()
+        self.bf16.refresh()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)

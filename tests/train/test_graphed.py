@@ -9,7 +9,7 @@ import torch
 from openk3.model import K3ForCausalLM
 from openk3.train.graphed import GraphedStep, make_capturable
 from openk3.train.optim import build_optimizer, model_head_dims
-from openk3.train.precision import BF16Compute
+from openk3.train.precision import BF16Compute, MasterStep
 
 from .test_train import small_config
 
@@ -20,11 +20,7 @@ def test_make_capturable_reaches_adamw_inside_muon_adamw_and_wrappers():
     adamw = opt._by_name["adamw"]
     assert not any(g["capturable"] for g in adamw.param_groups)
 
-    class Wrapper:  # bench/vs_transformers.py's MasterStep holds the optimizer as `.opt`
-        pass
-    w = Wrapper()
-    w.opt = opt
-    make_capturable(w)
+    make_capturable(MasterStep(BF16Compute(model), opt))  # the wrapper holds the optimizer as `.opt`
     assert all(g["capturable"] for g in adamw.param_groups)
     assert all("capturable" not in g for g in opt._by_name["muon"].param_groups)  # Muon: nothing to switch
 
@@ -68,19 +64,7 @@ def test_graph_replays_equal_eager_steps(recipe):
         if recipe:
             bf16 = BF16Compute(model)
             runs = bf16.model
-            inner = build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config))
-
-            class Step:
-                opt = inner
-
-                def step(self):
-                    bf16.accumulate_grads()
-                    inner.step()
-                    bf16.refresh()
-
-                def zero_grad(self, set_to_none=True):
-                    inner.zero_grad(set_to_none=set_to_none)
-            opt = Step()
+            opt = MasterStep(bf16, build_optimizer(model, lr=1e-3, head_dims=model_head_dims(model.config)))
         else:
             runs = model
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
