@@ -64,6 +64,12 @@ def recomputed(fn, *args):
     return fn(*args)
 
 
+# A KDA forward from a cache over at most this many tokens (batch x new tokens) runs fla's token-by-token kernel, not
+# chunk_kda: on the H200 chunk_kda's wrapper costs ~1.9 ms of host time a call at any length, the recurrence's
+# device time 0.27 ms at 1 token, 0.46 ms at 257 and 0.78 ms at 512 (batch 1; docs/engine.md "Short cached prefills")
+RECURRENT_MAX_TOKENS = 1024
+
+
 @torch.compiler.disable
 def outside_graph(fn, *args, **kwargs):
     """fn(*args, **kwargs), run eagerly when a torch.compile'd region calls it (a graph break; train/compile.py).
@@ -76,6 +82,9 @@ def outside_graph(fn, *args, **kwargs):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight with fp32 statistics, in x's dtype. F.rms_norm is one op (a fused
     kernel where torch has one) and on the CPU bit-identical to the three-op formula."""
+    if not torch.is_grad_enabled() and x.is_cuda and not torch.compiler.is_compiling() \
+            and select_kda_backend(x.device).fused:
+        return kda_fused.rms_norm(x, weight, eps)  # inference with fla: one kernel instead of four (casts)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
@@ -318,8 +327,15 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.H, self.K
         backend = select_kda_backend(x.device)
-        # The fused path also prefills from a cache (T > 1); a decode step keeps fla's token-by-token kernel, and
-        # `keep_inputs` (speculative rollback) needs the per-token inputs only the reference chain produces.
+        # The fused path also runs from a cache: a decode step and a short cached prefill token by token
+        # (`forward_recurrent`), a longer one chunked; `keep_inputs` (speculative rollback) needs the per-token
+        # inputs only the reference chain produces.
+        # NOTE: not inside torch.compile (the compiled decode step, serve/static.py): with fla's wrappers as graph
+        # breaks there, dynamo failed on the H200 at the second batch bucket (an internal error in its shape guards);
+        # the reference chain traces whole, as before
+        if backend.fused and state is not None and not keep_inputs and B * T <= RECURRENT_MAX_TOKENS \
+                and not torch.compiler.is_compiling():
+            return self.forward_recurrent(x, state)
         if backend.fused and (state is None or (T > 1 and not keep_inputs)):
             return self.forward_fused(x, cu_seqlens, state)
         outs = fused_outputs(self, x)
@@ -367,6 +383,26 @@ class KimiDeltaAttention(nn.Module):
             state.recurrent = final
             state.inputs = None
         o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
+        return self.o_proj(o.flatten(-2).to(x.dtype))
+
+    def forward_recurrent(self, x: Tensor, state: KDAState) -> Tensor:
+        """`forward_fused` from a cache with fla's token-by-token kernel in place of chunk_kda (forward only): the
+        gate, beta's sigmoid and the L2 norms inside it, the engine's slot pool updated in place at T = 1
+        (ops/kda/fused.py `recurrent_gated`). For a decode step and a cached prefill of at most
+        RECURRENT_MAX_TOKENS tokens in the batch; tests/model/test_kda_backends_gpu.py checks it against the
+        reference chain on the GPU. Never inside torch.compile (`forward` sends a compiled decode step to the
+        reference chain), so fla's wrappers are called directly."""
+        H, K = self.H, self.K
+        outs = fused_outputs(self, x)
+        qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
+        tail = state.conv
+        qkv = kda_fused.conv_silu(qkv_in, self.conv_weight()[:, 0, :], None, tail)
+        state.conv = self.conv_tail(tail, qkv_in)
+        state.inputs = None
+        q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
+        o = kda_fused.recurrent_gated(q, k, v, self.decay_input(x, outs), project(self, "b_proj", x, outs),
+                                      self.A_log, self.dt_bias, self.lower_bound, K ** -0.5, state)
+        o = kda_fused.gated_rms_norm(o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its

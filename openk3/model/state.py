@@ -109,6 +109,12 @@ class SlotKDAState:
         self._gathered = {"recurrent": recurrent, "conv": conv}
         self.inputs: dict[str, Tensor] | None = None
 
+    def pool_rows(self) -> tuple[Tensor, Tensor]:
+        """(the recurrent pool [slots, H, K, K] fp32, the batch's slots [B]) for a kernel that updates the rows in
+        place (ops/kda/fused.py `recurrent_gated`); rows gathered before are stale after it."""
+        self._gathered["recurrent"] = None
+        return self.recurrent_pool, self.slots
+
     def _read(self, name: str, pool: Tensor) -> Tensor:
         rows = self._gathered[name]
         return pool.index_select(0, self.slots) if rows is None else rows

@@ -33,7 +33,7 @@ from openk3.config import K3Config
 from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
-from openk3.ops import select_moe_backend
+from openk3.ops import select_kda_backend, select_moe_backend
 from openk3.serve.cache import PagedSeq, PagePool
 from openk3.serve.sampler import SamplingParams, sample_batch
 
@@ -103,14 +103,16 @@ class SlotPool:
     def give(self, slot: int) -> None:
         self.free.append(slot)
 
-    def view(self, slots: Tensor, gather: bool = False) -> list[SlotKDAState]:
+    def view(self, slots: Tensor, gather: bool = False, gather_recurrent: bool = True) -> list[SlotKDAState]:
         """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer. `gather`: read every layer's
-        rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does)."""
+        rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does);
+        `gather_recurrent=False` leaves the recurrent rows out of it (fla's decode kernel updates them in the pool
+        in place; at batch 64 the gather alone moved 0.8 GB a step)."""
         if not gather:
             return [SlotKDAState(r, c, slots) for r, c in zip(self.recurrent, self.conv)]
-        rec, conv = self.recurrent_all.index_select(1, slots), self.conv_all.index_select(1, slots)
-        return [SlotKDAState(rp, cp, slots, r, c) for rp, cp, r, c in
-                zip(self.recurrent, self.conv, rec.unbind(0), conv.unbind(0))]
+        conv = self.conv_all.index_select(1, slots).unbind(0)
+        rec = self.recurrent_all.index_select(1, slots).unbind(0) if gather_recurrent else [None] * len(conv)
+        return [SlotKDAState(rp, cp, slots, r, c) for rp, cp, r, c in zip(self.recurrent, self.conv, rec, conv)]
 
     def clear_scratch(self) -> None:
         """Slot 0 of every layer back to the zero state, after a step whose padding rows wrote there."""
@@ -177,6 +179,8 @@ class StaticDecoder:
         self.captured: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
+        # fla's decode kernel updates the pool's recurrent rows in place (model.py `forward_recurrent`; eager only)
+        self.in_place = select_kda_backend(self.device).fused and not compile
         self.run = self._run
         if compile:
             # NOTE: dynamic=None: the first shape compiles static, a second one recompiles with dynamic sizes, so
@@ -194,7 +198,7 @@ class StaticDecoder:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
         the fp32 logits [B, V])."""
         mask = (buf.key_pos[None, :] <= buf.lengths[:, None])[:, None, None]
-        kda = iter(self.slots.view(buf.slots, gather=True))
+        kda = iter(self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place))
         layers, mla_index = [], 0
         for kind in self.layer_types:
             if kind == "kda":

@@ -16,6 +16,7 @@ import torch
 
 from openk3.config import K3Config
 from openk3.model import K3Cache, K3ForCausalLM, KimiDeltaAttention
+from openk3.model.state import KDAState
 import openk3.model.model as model_module
 from openk3.ops.kda.backend import BACKEND_ENV, FUSED_ENV, forget_kda_backends
 from tests.helpers import rel_err, rel_norm_err
@@ -101,44 +102,66 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, fused, 
     assert errors[worst] < bound, f"{worst}: gradient relative error {errors[worst]:.3g} >= {bound}"
 
 
-def cached_prefill(model, ids, bounds, dtype) -> tuple[torch.Tensor, K3Cache]:
-    """Logits of `ids` prefilled with a cache in the chunks [s, e) of `bounds`, and the cache after."""
-    cache = K3Cache.empty(model.config, ids.shape[0], ids.shape[1], ids.device, dtype)
+def cached_prefill(model, ids, bounds, dtype, decode: int = 0) -> tuple[torch.Tensor, K3Cache]:
+    """Logits of `ids` prefilled with a cache in the chunks [s, e) of `bounds`, then of `decode` one-token steps
+    (each feeding the argmax of the previous logits), and the cache after."""
+    cache = K3Cache.empty(model.config, ids.shape[0], ids.shape[1] + decode, ids.device, dtype)
     with torch.no_grad():
-        logits = torch.cat([model(ids[:, s:e], cache=cache).logits for s, e in bounds], dim=1)
-    return logits, cache
+        logits = [model(ids[:, s:e], cache=cache).logits for s, e in bounds]
+        for _ in range(decode):
+            logits.append(model(logits[-1][:, -1:].argmax(-1), cache=cache).logits)
+    return torch.cat(logits, dim=1), cache
 
 
-def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatch) -> dict:
-    """The fused KDA path with a state (fla's conv from the cache's tail, chunk_kda from its recurrent state) over a
-    prompt prefilled in 3 chunks (boundaries inside fla's 64-token chunks) against one uncached fused forward
-    (logits), and its final states against the reference chain's chunked prefill (fused=0). -> the errors."""
+def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatch, saturated: bool = False) -> dict:
+    """The fused KDA paths with a state over a prompt prefilled in 3 chunks (boundaries inside fla's 64-token
+    chunks) and 4 decode steps: chunks of at most RECURRENT_MAX_TOKENS (cut to 200 here) token by token
+    (`forward_recurrent`: fla's fused_recurrent_kda with the gate, beta's sigmoid and the L2 norms in the kernel),
+    the longer one through chunk_kda (`forward_fused`), the decode steps token by token. Against one uncached fused
+    forward (the prefill's logits) and the reference chain (fused=0: the gate, sigmoid and norms in PyTorch) over
+    the same chunks and steps (every logit and the final states). `saturated`: the gate pinned at its bound (K3:
+    lb * sigmoid(+large) = lb) or at a large decay (Kimi-Linear) in every channel. -> the errors."""
     monkeypatch.setenv(BACKEND_ENV, "fla")
+    monkeypatch.setattr(model_module, "RECURRENT_MAX_TOKENS", 200)
     torch.manual_seed(0)
     model = K3ForCausalLM(recall_kda_config(gate)).to(device).cast(dtype)
     model.reset_parameters(seed=1)
-    ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(3)).to(device)
-    bounds = [(0, 100), (100, 229), (229, 300)]
+    if saturated:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.dt_bias.fill_(30.0)  # sigmoid(exp(A) * (f + 30)) = 1; softplus(f + 30) ~ 30
+    B, decode = 2, 4
+    ids = torch.randint(0, 1024, (B, 300), generator=torch.Generator().manual_seed(3)).to(device)
+    bounds = [(0, 100), (100, 229), (229, 300)]  # B x T = 200 (token by token), 258 (chunked), 142 (token by token)
     calls = []
-    real = KimiDeltaAttention.forward_fused
-    monkeypatch.setattr(KimiDeltaAttention, "forward_fused",
-                        lambda self, x, cu, state=None: calls.append(state is not None) or real(self, x, cu, state))
+    for name in ("forward_fused", "forward_recurrent"):
+        real = getattr(KimiDeltaAttention, name)
+        monkeypatch.setattr(KimiDeltaAttention, name, lambda self, x, *a, _real=real, _name=name, **k:
+                            calls.append((_name, x.shape[1])) or _real(self, x, *a, **k))
     monkeypatch.setenv(FUSED_ENV, "1")
     forget_kda_backends()
     with torch.no_grad():
         full = model(ids).logits
-    fused, cache = cached_prefill(model, ids, bounds, dtype)
-    assert calls == [False] * 2 + [True] * 6, calls  # 2 KDA layers: uncached, then 3 chunks with a state
+    fused, cache = cached_prefill(model, ids, bounds, dtype, decode)
+    steps = [("forward_recurrent", 100), ("forward_fused", 129), ("forward_recurrent", 71)] + \
+        [("forward_recurrent", 1)] * decode
+    # 2 KDA layers: uncached (chunk_kda), then each chunk and step with a state
+    assert calls == [("forward_fused", 300)] * 2 + [c for c in steps for _ in range(2)], calls
     monkeypatch.setenv(FUSED_ENV, "0")
     forget_kda_backends()
-    reference, ref_cache = cached_prefill(model, ids, bounds, dtype)
+    calls.clear()
+    reference, ref_cache = cached_prefill(model, ids, bounds, dtype, decode)
+    assert not calls
     forget_kda_backends()
-    errors = {"logits_vs_uncached": rel_norm_err(fused, full), "logits_vs_reference": rel_norm_err(fused, reference),
-              "logits_max_vs_uncached": rel_err(fused, full)}
+    errors = {"logits_vs_uncached": rel_norm_err(fused[:, :300], full),
+              "logits_vs_reference": rel_norm_err(fused, reference),
+              "decode_logits_vs_reference": rel_norm_err(fused[:, 300:], reference[:, 300:]),
+              "logits_max_vs_uncached": rel_err(fused[:, :300], full)}
     for i, (a, b) in enumerate(zip(cache.layers, ref_cache.layers)):
-        errors[f"{i}.recurrent"] = rel_norm_err(a.recurrent, b.recurrent)
-        errors[f"{i}.conv"] = rel_norm_err(a.conv, b.conv)
-        assert a.recurrent.dtype == torch.float32 and a.conv.dtype == dtype and a.inputs is None
+        if isinstance(a, KDAState):
+            errors[f"{i}.recurrent"] = rel_norm_err(a.recurrent, b.recurrent)
+            errors[f"{i}.conv"] = rel_norm_err(a.conv, b.conv)
+            assert a.recurrent.dtype == torch.float32 and a.conv.dtype == dtype and a.inputs is None
     return errors
 
 
@@ -147,13 +170,15 @@ def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatc
 PREFILL_BOUNDS = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
 
 
+@pytest.mark.parametrize("saturated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", ["k3", "softplus"])
-def test_fused_cached_prefill_equals_one_forward(gate, dtype, monkeypatch):
-    """Issue #12: a chunked prefill through the fused stateful KDA path gives one uncached forward's logits and the
-    reference chain's final states (recurrent fp32, conv tail in the model's dtype)."""
-    errors = check_fused_cached_prefill(gate, dtype, "cuda", monkeypatch)
-    print("\n" + json.dumps({"case": dict(gate=gate, dtype=str(dtype)), **errors}))
+def test_fused_cached_prefill_equals_one_forward(gate, dtype, saturated, monkeypatch):
+    """Issue #12: a chunked prefill and decode steps through the fused stateful KDA paths (token by token and
+    chunked) give one uncached forward's logits and the reference chain's logits and final states (recurrent fp32,
+    conv tail in the model's dtype)."""
+    errors = check_fused_cached_prefill(gate, dtype, "cuda", monkeypatch, saturated)
+    print("\n" + json.dumps({"case": dict(gate=gate, dtype=str(dtype), saturated=saturated), **errors}))
     bound = PREFILL_BOUNDS[dtype]
     for name, err in errors.items():
         if name != "logits_max_vs_uncached":

@@ -366,3 +366,25 @@ def test_load_weights_drops_the_graphs_of_a_qat_model(qat):
     engine.target.decoder.captured[(1, 1, True)] = "a graph captured with the old weights"
     engine.load_weights(model.state_dict())
     assert bool(engine.target.decoder.captured) == (not qat)
+
+
+def test_slot_states_without_the_recurrent_gather_read_the_pool_and_go_stale_after_an_in_place_write():
+    """`SlotPool.view(gather_recurrent=False)` (fla's decode kernel then updates the pool's recurrent rows in place):
+    the conv rows are gathered, the recurrent ones read from the pool at the slots; after `pool_rows` (the kernel's
+    handle on the pool) a gathered copy is never returned again, so an in-place write is what the next read sees."""
+    from openk3.serve.static import SlotPool
+    model = small_model("k3", seed=3)
+    pool = SlotPool(model.config, 4, "cpu", torch.float32)
+    pool.recurrent_all.normal_(generator=torch.Generator().manual_seed(0))
+    pool.conv_all.normal_(generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([3, 1])
+    lazy = pool.view(slots, gather=True, gather_recurrent=False)
+    full = pool.view(slots, gather=True)
+    for layer, (a, b) in enumerate(zip(lazy, full)):
+        assert a._gathered["recurrent"] is None and a._gathered["conv"] is not None
+        assert torch.equal(a.recurrent, pool.recurrent[layer][slots]) and torch.equal(a.conv, b.conv)
+    state = full[0]
+    rec, idx = state.pool_rows()
+    assert rec is pool.recurrent[0] and torch.equal(idx, slots)
+    rec[3] += 1.0  # what the kernel does, in place
+    assert torch.equal(state.recurrent[0], pool.recurrent[0][3])  # read back from the pool, not the stale gather

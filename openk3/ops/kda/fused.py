@@ -9,7 +9,13 @@ and chunk_gated also start from a cache's state (the conv tail, the recurrent st
     chunk_gated    decay() + the delta rule: the gate  lb * sigmoid(exp(A_log) * (f + dt_bias))  (K3, bounded;
                    fla's `safe_gate`) or  -exp(A_log) * softplus(f + dt_bias)  (Kimi-Linear) computed inside
                    fla's chunk_kda, which also returns the gradients of A_log and dt_bias
+    recurrent_gated the same gate, beta's sigmoid and the q, k L2 norms inside fla's token-by-token kernel, from a
+                   cache's state (forward only): a decode step, and a cached prefill of few tokens, where
+                   chunk_kda's ~2 ms of host time a call outweighs the recurrence's device time (docs/engine.md);
+                   a decode step of the engine's slot pool updates the pool's rows in place (no gather, no scatter)
     gated_rms_norm the per-head o_norm times sigmoid(output gate)
+    rms_norm       model.py's rms_norm in one kernel, for inference (forward only): the eager decode step ran
+                   three dtype casts around each of its ~37 norms (docs/engine.md "Fewer kernels a decode step")
     swiglu         ops/situ.py's swiglu (the Kimi-Linear MLPs and experts; K3's SiTU has no fla kernel)
 
 Arithmetic is fp32 inside the kernels, as in the reference; the results round once to the input dtype where
@@ -67,11 +73,50 @@ def chunk_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, A_log:
     return o.view(B, T, H, K), None
 
 
+def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Tensor, A_log: Tensor,
+                    dt_bias: Tensor, lower_bound: float | None, scale: float, state) -> Tensor:
+    """`chunk_gated`'s delta rule token by token, continuing `state` (a `KDAState`, or a `SlotKDAState` whose rows
+    live in the engine's slot pool) and updating it: q, k, v [B, T, H, K] (L2-normed in the kernel), f the raw gate
+    input [B, T, H, K], beta_logits [B, T, H] before their sigmoid (taken in the kernel, in fp32) -> o [B, T, H, K].
+    With a slot pool and T = 1 the kernel reads and writes the pool's rows at the state's slots in place (fla's
+    continuous-batching mode, `ssm_state_indices`). Forward only (fla has no backward for it)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    T = q.shape[1]
+    # NOTE: the kernel walks q, k, v, f by pointer over contiguous [B, T, H, K] rows (fused_recurrent_kda_fwd has
+    # no input guard): the q | k | v split views of the conv output must be copied
+    args = dict(q=q.contiguous(), k=k.to(q.dtype).contiguous(), v=v.to(q.dtype).contiguous(), g=f.contiguous(),
+                beta=beta_logits.contiguous(), A_log=A_log.float(), dt_bias=dt_bias.float(), scale=scale,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                lower_bound=lower_bound)
+    pool = state.pool_rows() if T == 1 and hasattr(state, "pool_rows") else None
+    if pool is not None:
+        recurrent_pool, slots = pool
+        # NOTE: one index per sequence and token; with T = 1 a [B] vector (the kernel reads index i_n * stride + 0)
+        o, _ = fused_recurrent_kda_fwd(initial_state=recurrent_pool, inplace_final_state=True,
+                                       ssm_state_indices=slots, **args)
+        return o
+    o, final = fused_recurrent_kda_fwd(initial_state=state.recurrent.float().contiguous(), inplace_final_state=False,
+                                       output_final_state=True, **args)
+    state.recurrent = final
+    return o
+
+
 def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm(o) * weight * sigmoid(gate) over the last dim, in o's dtype; o and gate [..., K]."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
     return rms_norm_gated(o, gate.reshape(o.shape), weight, None, activation="sigmoid", eps=eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim with fp32 statistics, rounded once to x's dtype
+    (model.py `rms_norm`); fla's layer-norm forward kernel, no autograd."""
+    from fla.modules.norm.layernorm import layer_norm_fwd
+
+    D = x.shape[-1]
+    y, _, _, _ = layer_norm_fwd(x.reshape(-1, D), weight, None, eps, is_rms_norm=True)
+    return y.view(x.shape)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:

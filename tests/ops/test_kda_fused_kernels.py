@@ -1,0 +1,101 @@
+"""The inference-only fla kernels of ops/kda/fused.py against their fp32 references (issue #12):
+`recurrent_gated` (fla's token-by-token KDA with the gate, beta's sigmoid and the q, k L2 norms in the kernel,
+from a state, and in place in a slot pool) and `rms_norm`.
+
+CUDA only. NOTE: Triton's interpreter (TRITON_INTERPRET=1, triton 3.6) cannot run them on the CPU: the recurrent
+kernel's `tl.range(0, T)` over a scalar argument fails there, and the norm kernel's autotuner needs a GPU driver.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from openk3.model.state import KDAState, SlotKDAState
+from openk3.ops.kda import fused as kda_fused
+from openk3.ops.kda.naive import naive_recurrent_kda
+from tests.helpers import rel_err
+
+DEVICE = "cuda"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention"),
+]
+
+B, H, K = 2, 2, 16
+
+
+def inputs(T: int, dtype: torch.dtype, seed: int, saturated: bool):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+    q, k, v = (r(B, T, H, K).to(dtype) for _ in range(3))
+    f = r(B, T, H, K).to(dtype)
+    beta_logits = r(B, T, H).to(dtype)
+    A_log = r(H, scale=0.5)
+    # saturated: the bounded gate at its bound (lb * sigmoid(+large) = lb), the softplus gate at a large decay
+    dt_bias = torch.full((H * K,), 30.0, device=DEVICE) if saturated else r(H * K)
+    state = r(B, H, K, K, scale=0.3)
+    return q, k, v, f, beta_logits, A_log, dt_bias, state
+
+
+def reference(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, state):
+    """model.py's decay() and beta's sigmoid in fp32, then the naive recurrence (fp32)."""
+    x = f.float() + dt_bias.view(H, K)
+    a = A_log.exp().view(H, 1)
+    g = lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * F.softplus(x)
+    return naive_recurrent_kda(q.float(), k.float(), v.float(), g, torch.sigmoid(beta_logits.float()),
+                               scale=K ** -0.5, initial_state=state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("saturated", [False, True])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-gate", "softplus-gate"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_recurrent_gated_equals_the_reference(T, lower_bound, saturated):
+    """From a KDAState: the outputs and the final state (the state object updated, fp32) match the fp32 chain."""
+    q, k, v, f, beta_logits, A_log, dt_bias, state = inputs(T, torch.float32, seed=T, saturated=saturated)
+    want_o, want_state = reference(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, state)
+    s = KDAState(state.clone(), torch.zeros(B, 3, 3 * H * K, device=DEVICE))
+    o = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, s)
+    assert o.shape == (B, T, H, K)
+    assert s.recurrent.dtype == torch.float32
+    tol = 5e-3  # Triton's fp32 dot products run in TF32 on Hopper
+    assert rel_err(o.float(), want_o) < tol
+    assert rel_err(s.recurrent, want_state) < tol
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-gate", "softplus-gate"])
+def test_recurrent_gated_updates_the_slot_pool_in_place(lower_bound):
+    """A decode step (T = 1) over a SlotKDAState: the rows at the slots are updated in the pool itself (no gather, no
+    write back), equal to the KDAState step, and no other slot changes; a row gathered before is not served after."""
+    q, k, v, f, beta_logits, A_log, dt_bias, state = inputs(1, torch.bfloat16, seed=5, saturated=False)
+    s = KDAState(state.clone(), torch.zeros(B, 3, 3 * H * K, device=DEVICE))
+    want = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, s)
+    pool = torch.randn(5, H, K, K, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    slots = torch.tensor([3, 1], device=DEVICE)
+    pool[slots] = state
+    before = pool.clone()
+    conv_pool = torch.zeros(5, 3, 3 * H * K, device=DEVICE)
+    slot_state = SlotKDAState(pool, conv_pool, slots, recurrent=pool[slots].clone())
+    o = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, slot_state)
+    assert torch.equal(o, want)
+    assert torch.equal(pool[slots], s.recurrent)
+    others = [i for i in range(5) if i not in (1, 3)]
+    assert torch.equal(pool[others], before[others])
+    assert torch.equal(slot_state.recurrent, s.recurrent)  # read from the pool, not the gathered copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_reference(dtype):
+    """fla's one-kernel norm against model.py's reference formula (fp32 statistics, one rounding)."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 5, 48, generator=g) * 4).to(DEVICE, dtype)
+    w = (torch.rand(48, generator=g) + 0.5).to(DEVICE, dtype)
+    want = F.rms_norm(x.float(), (48,), w.float(), 1e-5).to(dtype)
+    got = kda_fused.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert rel_err(got.float(), want.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
