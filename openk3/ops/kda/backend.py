@@ -142,7 +142,7 @@ def _why_fla_cannot_run(device_type: str) -> str | None:
     try:
         importlib.import_module("fla.ops.kda")
     except ImportError as error:
-        return f"fla.ops.kda does not import ({error}); install flash-linear-attention >= 0.4"
+        return f"fla.ops.kda does not import ({error}); install flash-linear-attention >= 0.6"
     return None
 
 

@@ -39,7 +39,7 @@ SHIPPED = Path(__file__).parent / "fla_configs"
 AUTOTUNE_ENV = "OPENK3_FLA_AUTOTUNE"
 # the fla modules whose kernels openk3 runs (ops/kda/backend.py, ops/kda/fused.py)
 FLA_MODULES = ("fla.ops.kda", "fla.modules.causal_conv1d", "fla.modules.norm.fused_norm_gate",
-               "fla.modules.activations", "fla.modules.norm.l2norm")
+               "fla.modules.activations", "fla.modules.norm.l2norm", "fla.modules.norm.layernorm")
 
 
 def gpu_dir_name(device_name: str) -> str:
