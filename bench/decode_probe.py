@@ -1,0 +1,171 @@
+"""Where a decode step and a prefix-hit turn spend their time on the GPU (issue #12): wall time against the time the
+device is busy, and the kernels, from torch.profiler. Complements bench/vs_transformers_decode.py (which times
+whole requests against transformers) with the split that says whether a path is bound by its kernels or by the
+gaps between them (the host's launches, or a CUDA graph's kernel-to-kernel latency).
+
+    python bench/decode_probe.py kda hit decode:1 decode:16 decode:64 decode:64:c --out bench/results/decode_probe
+
+Parts (any order, each written to <out>/probe.json as it finishes, with its profile table beside it):
+
+  kda          one KDA layer's cached forward at T = 1 ... 1024 new tokens (batch 1, kimi-linear-1.5b's 16 heads of
+               128): fla's chunk path (`chunk_gated`) against the token-by-token kernel (`recurrent_gated`), as
+               (ms until the call returns, ms until the device is done), averaged over 10 calls
+  hit          a prefix-hit turn of a 32,768-token conversation (its last 257 tokens new): wall ms, then one more
+               such turn under the profiler (device busy against wall)
+  decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
+               wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
+               step (`compile_decode`)
+
+kimi-linear-1.5b, random weights (the vs_transformers_decode checkpoint), bf16, CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_bench import greedy, hardware, random_prompts  # noqa: E402
+from bench.vs_transformers import profile_step  # noqa: E402
+from bench.vs_transformers_decode import build_checkpoint, engine_for, parse_args as bench_args  # noqa: E402
+from openk3.serve.cache import PagePool  # noqa: E402
+
+
+def timed(fn, n: int = 10) -> tuple[float, float]:
+    """(ms a call until it returns, ms a call until the device is done), over n calls."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return host * 1e3, (time.perf_counter() - t0) / n * 1e3
+
+
+@torch.inference_mode()
+def part_kda(model) -> dict:
+    from openk3.model.state import KDAState
+    from openk3.ops.kda import fused as kf
+    layer = next(layer.self_attn for layer in model.model.layers if layer.is_kda)
+    H, K = layer.H, layer.K
+    out = {}
+    for T in (1, 5, 64, 257, 512, 1024):
+        q, k, v, f = (torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        beta = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
+        s0 = torch.randn(1, H, K, K, device="cuda") * 0.01
+        args = (q, k, v, f)
+
+        def chunk():
+            return kf.chunk_gated(*args, torch.sigmoid(beta.float()), layer.A_log.float(), layer.dt_bias.float(),
+                                  layer.lower_bound, K ** -0.5, None, s0)
+
+        def recurrent():
+            return kf.recurrent_gated(*args, beta, layer.A_log, layer.dt_bias, layer.lower_bound, K ** -0.5,
+                                      KDAState(s0.clone(), torch.zeros(1, 3, 3 * H * K, device="cuda")))
+        chunk(), recurrent()  # compile and tune first
+        out[str(T)] = {"chunk_ms": timed(chunk), "recurrent_ms": timed(recurrent)}
+        print(f"  kda T={T:5d}: chunk {out[str(T)]['chunk_ms'][1]:.3f} ms, token by token "
+              f"{out[str(T)]['recurrent_ms'][1]:.3f} ms", flush=True)
+    return out
+
+
+def part_hit(model, args, rng, out_dir: Path) -> dict:
+    V, L = model.config.vocab_size, 32768
+    ckpt = PagePool(model.config, 2, args.page_size, "meta", torch.bfloat16).checkpoint_pages
+    engine = engine_for(model, args, 1, num_pages=3 * -(-L // args.page_size) + (L // 2048 + 4) * ckpt)
+
+    def next_turn() -> list[int]:
+        first = random_prompts(1, L - 256 - 64, V, rng)[0]
+        reply = engine.generate([first], greedy(64))[0].output
+        return first + reply + random_prompts(1, 256, V, rng)[0]
+
+    def serve(turn: list[int]):
+        req = engine.submit(turn, greedy(1))
+        while not req.finished:
+            engine.step()
+        return req
+    serve(next_turn())  # untimed: every kernel of these shapes compiled and tuned
+    turn = next_turn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    req = serve(turn)
+    torch.cuda.synchronize()
+    out = {"hit_ms": (time.perf_counter() - t0) * 1e3, "cached_tokens": req.cached_tokens}
+    turn = next_turn()
+    out["profile"] = profile_step(lambda: serve(turn), out_dir / "hit.txt")[:25]
+    print(f"  prefix hit: {out['hit_ms']:.1f} ms ({req.cached_tokens} tokens cached)", flush=True)
+    return out
+
+
+def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict:
+    args.compile_decode = compiled
+    engine = engine_for(model, args, B, prefix_cache=False)
+    prompts = random_prompts(B, 512, model.config.vocab_size, rng)
+    engine.generate(prompts, greedy(16))  # captures (and compiles) the buckets
+    reqs = [engine.submit(p, greedy(200)) for p in prompts]
+    while any(r.status != "running" for r in reqs):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / 20 * 1e3
+    name = f"decode_b{B}{'_compiled' if compiled else ''}.txt"
+    rows = profile_step(lambda: [engine.step() for _ in range(10)], out_dir / name)
+    for r in reqs:
+        engine.cancel(r.id)
+    engine.step()
+    print(f"  decode batch {B}{' compiled' if compiled else ''}: {step_ms:.2f} ms a step "
+          f"(device busy {rows[0]['self_device_ms'] / 10:.2f} ms a step under the profiler)", flush=True)
+    return {"step_ms": step_ms, "device_busy_ms_per_step": rows[0]["self_device_ms"] / 10, "top": rows[:30]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("parts", nargs="+", help="kda, hit, decode:B or decode:B:c")
+    p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_probe.py needs CUDA")
+    a.out.mkdir(parents=True, exist_ok=True)
+    args = bench_args(["--skip-transformers"])
+    args.pool_pages = 64 * 12 + 64
+    rng = random.Random(0)
+    results = {"hardware": hardware("cuda"), "command": " ".join(sys.argv[1:])}
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _, _ = build_checkpoint(args, Path(tmp))
+    for name in a.parts:
+        t0 = time.perf_counter()
+        try:
+            if name == "kda":
+                results[name] = part_kda(model)
+            elif name == "hit":
+                results[name] = part_hit(model, args, rng, a.out)
+            elif name.startswith("decode:"):
+                _, B, *c = name.split(":")
+                results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
+            else:
+                raise ValueError(f"unknown part {name!r}: kda, hit, decode:B or decode:B:c")
+        except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
+            import traceback
+            traceback.print_exc()
+            results[name] = {"error": repr(error)}
+        results[name + "_seconds"] = time.perf_counter() - t0
+        tmp_path = a.out / "probe.json.tmp"
+        tmp_path.write_text(json.dumps(results, indent=1))
+        tmp_path.replace(a.out / "probe.json")
+
+
+if __name__ == "__main__":
+    main()
