@@ -14,10 +14,10 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
                    finite flag per row in one device-to-host copy, the step's only host sync. With `graphs` (CUDA),
                    each (B, P, greedy-only) bucket is captured the first time it is met, after a warmup on a side
                    stream, and replayed from then on; on the CPU the same step runs eagerly. With `compile`, the
-                   step is `torch.compile`d first (fusing its ~2,000 small ops). Off by default, as its first
-                   use compiles: on the H200 the first runs took 19 s and 34 s, and then it decoded
-                   kimi-linear-1.5b 1.5x faster at batch 1 and 1.35x at batch 16 (docs/engine.md "On the H200,
-                   latest").
+                   step is `torch.compile`d first (fusing its small ops; the KDA layers then keep their reference
+                   chain, see model.py `forward_recurrent`). Off by default, as its first use compiles: on the H200
+                   32 s and 44 s, and then it decoded kimi-linear-1.5b 13% faster than the default at batch 1 and no
+                   faster at batch 16 and 64 (docs/engine.md "On the H200, latest").
 
 The reference is the engine's general path (runner.py `ModelRunner.forward` over `paged_cache`, then
 `sample_tokens`); tests/serve/test_static.py checks that both give the same logits for ragged batches whose
