@@ -5,7 +5,8 @@ gaps between them (the host's launches, or a CUDA graph's kernel-to-kernel laten
 
     python bench/decode_probe.py kda hit decode:1 decode:16 decode:64 decode:64:c --out bench/results/decode_probe
 
-Parts (any order, each written to <out>/probe.json as it finishes, with its profile table beside it):
+Parts (any order, each written to <out>/probe.json as it finishes, with its profile table beside it; the first
+row of each profile's `top` is the device's busy ms against the wall ms of the profiled steps):
 
   kda          one KDA layer's cached forward at T = 1 ... 1024 new tokens (batch 1, kimi-linear-1.5b's 16 heads of
                128): fla's chunk path (`chunk_gated`) against the token-by-token kernel (`recurrent_gated`), as
@@ -52,7 +53,6 @@ def timed(fn, n: int = 10) -> tuple[float, float]:
 
 @torch.inference_mode()
 def part_kda(model) -> dict:
-    from openk3.model.state import KDAState
     from openk3.ops.kda import fused as kf
     layer = next(layer.self_attn for layer in model.model.layers if layer.is_kda)
     H, K = layer.H, layer.K
@@ -68,12 +68,11 @@ def part_kda(model) -> dict:
                                   layer.lower_bound, K ** -0.5, None, s0)
 
         def recurrent():
-            return kf.recurrent_gated(*args, beta, layer.A_log, layer.dt_bias, layer.lower_bound, K ** -0.5,
-                                      KDAState(s0.clone(), torch.zeros(1, 3, 3 * H * K, device="cuda")))
+            return kf.recurrent_gated(*args, beta, layer.A_log, layer.dt_bias, layer.lower_bound, K ** -0.5, s0)
         chunk(), recurrent()  # compile and tune first
-        out[str(T)] = {"chunk_ms": timed(chunk), "recurrent_ms": timed(recurrent)}
-        print(f"  kda T={T:5d}: chunk {out[str(T)]['chunk_ms'][1]:.3f} ms, token by token "
-              f"{out[str(T)]['recurrent_ms'][1]:.3f} ms", flush=True)
+        out[str(T)] = {"chunk": timed(chunk), "recurrent": timed(recurrent)}
+        print(f"  kda T={T:5d}: chunk {out[str(T)]['chunk'][1]:.3f} ms, token by token "
+              f"{out[str(T)]['recurrent'][1]:.3f} ms", flush=True)
     return out
 
 
@@ -98,9 +97,9 @@ def part_hit(model, args, rng, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     req = serve(turn)
     torch.cuda.synchronize()
-    out = {"hit_ms": (time.perf_counter() - t0) * 1e3, "cached_tokens": req.cached_tokens}
+    out = {"hit_ms": (time.perf_counter() - t0) * 1e3, "cached": req.cached_tokens}
     turn = next_turn()
-    out["profile"] = profile_step(lambda: serve(turn), out_dir / "hit.txt")[:25]
+    out["profile_top"] = profile_step(lambda: serve(turn), out_dir / "hit.txt")[:25]
     print(f"  prefix hit: {out['hit_ms']:.1f} ms ({req.cached_tokens} tokens cached)", flush=True)
     return out
 
@@ -128,7 +127,7 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     engine.step()
     print(f"  decode batch {B}{' compiled' if compiled else ''}: {step_ms:.2f} ms a step "
           f"(device busy {rows[0]['self_device_ms'] / 10:.2f} ms a step under the profiler)", flush=True)
-    return {"step_ms": step_ms, "device_busy_ms_per_step": rows[0]["self_device_ms"] / 10, "top": rows[:30]}
+    return {"step_ms": step_ms, "top": rows[:30]}
 
 
 def main() -> None:
@@ -161,7 +160,7 @@ def main() -> None:
             import traceback
             traceback.print_exc()
             results[name] = {"error": repr(error)}
-        results[name + "_seconds"] = time.perf_counter() - t0
+        results[name + "_s"] = time.perf_counter() - t0
         tmp_path = a.out / "probe.json.tmp"
         tmp_path.write_text(json.dumps(results, indent=1))
         tmp_path.replace(a.out / "probe.json")

@@ -31,7 +31,7 @@ except ImportError:
     varlen_attn = None
 
 from openk3.config import K3Config
-from openk3.model.state import K3Cache, KDAState, MLAState
+from openk3.model.state import K3Cache, KDAState, MLAState, SlotKDAState
 from openk3.ops import moe_experts
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
@@ -65,8 +65,9 @@ def recomputed(fn, *args):
 
 
 # A KDA forward from a cache over at most this many tokens (batch x new tokens) runs fla's token-by-token kernel, not
-# chunk_kda: on the H200 chunk_kda's wrapper costs ~1.9 ms of host time a call at any length, the recurrence's
-# device time 0.27 ms at 1 token, 0.46 ms at 257 and 0.78 ms at 512 (batch 1; docs/engine.md "Short cached prefills")
+# chunk_kda: on the H200 chunk_kda's wrapper costs 1.6-2.1 ms of host time a call at any length, the recurrence's
+# device time 0.27 ms at 1 token, 0.46 ms at 257 and 0.78 ms at 512 (batch 1; docs/engine.md "KDA from a cache,
+# token by token")
 RECURRENT_MAX_TOKENS = 1024
 
 
@@ -82,8 +83,7 @@ def outside_graph(fn, *args, **kwargs):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight with fp32 statistics, in x's dtype. F.rms_norm is one op (a fused
     kernel where torch has one) and on the CPU bit-identical to the three-op formula."""
-    if not torch.is_grad_enabled() and x.is_cuda and not torch.compiler.is_compiling() \
-            and select_kda_backend(x.device).fused:
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and select_kda_backend(x.device).fused:
         return kda_fused.rms_norm(x, weight, eps)  # inference with fla: one kernel instead of four (casts)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
@@ -392,7 +392,7 @@ class KimiDeltaAttention(nn.Module):
         RECURRENT_MAX_TOKENS tokens in the batch; tests/model/test_kda_backends_gpu.py checks it against the
         reference chain on the GPU. Never inside torch.compile (`forward` sends a compiled decode step to the
         reference chain), so fla's wrappers are called directly."""
-        H, K = self.H, self.K
+        T, H, K = x.shape[1], self.H, self.K
         outs = fused_outputs(self, x)
         qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
         tail = state.conv
@@ -400,8 +400,13 @@ class KimiDeltaAttention(nn.Module):
         state.conv = self.conv_tail(tail, qkv_in)
         state.inputs = None
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
-        o = kda_fused.recurrent_gated(q, k, v, self.decay_input(x, outs), project(self, "b_proj", x, outs),
-                                      self.A_log, self.dt_bias, self.lower_bound, K ** -0.5, state)
+        gate_args = (self.decay_input(x, outs), project(self, "b_proj", x, outs), self.A_log, self.dt_bias,
+                     self.lower_bound, K ** -0.5)
+        if T == 1 and isinstance(state, SlotKDAState):  # the engine's slot pool: its rows updated where they are
+            pool, slots = state.pool_rows()
+            o, _ = kda_fused.recurrent_gated(q, k, v, *gate_args, pool, slots)
+        else:
+            o, state.recurrent = kda_fused.recurrent_gated(q, k, v, *gate_args, state.recurrent)
         o = kda_fused.gated_rms_norm(o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 

@@ -102,14 +102,14 @@ def test_fla_model_step_matches_torch(gate, autocast, packed, recompute, fused, 
     assert errors[worst] < bound, f"{worst}: gradient relative error {errors[worst]:.3g} >= {bound}"
 
 
-def cached_prefill(model, ids, bounds, dtype, decode: int = 0) -> tuple[torch.Tensor, K3Cache]:
-    """Logits of `ids` prefilled with a cache in the chunks [s, e) of `bounds`, then of `decode` one-token steps
-    (each feeding the argmax of the previous logits), and the cache after."""
-    cache = K3Cache.empty(model.config, ids.shape[0], ids.shape[1] + decode, ids.device, dtype)
+def cached_prefill(model, ids, bounds, dtype, steps: torch.Tensor | None = None) -> tuple[torch.Tensor, K3Cache]:
+    """Logits of `ids` prefilled with a cache in the chunks [s, e) of `bounds`, then of one-token decode steps
+    feeding the columns of `steps` [B, n] (fixed ids, so that two runs decode the same tokens), and the cache after."""
+    n = 0 if steps is None else steps.shape[1]
+    cache = K3Cache.empty(model.config, ids.shape[0], ids.shape[1] + n, ids.device, dtype)
     with torch.no_grad():
         logits = [model(ids[:, s:e], cache=cache).logits for s, e in bounds]
-        for _ in range(decode):
-            logits.append(model(logits[-1][:, -1:].argmax(-1), cache=cache).logits)
+        logits += [model(steps[:, i:i + 1], cache=cache).logits for i in range(n)]
     return torch.cat(logits, dim=1), cache
 
 
@@ -131,7 +131,8 @@ def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatc
             for layer in model.model.layers:
                 layer.self_attn.dt_bias.fill_(30.0)  # sigmoid(exp(A) * (f + 30)) = 1; softplus(f + 30) ~ 30
     B, decode = 2, 4
-    ids = torch.randint(0, 1024, (B, 300), generator=torch.Generator().manual_seed(3)).to(device)
+    ids = torch.randint(0, 1024, (B, 300 + decode), generator=torch.Generator().manual_seed(3)).to(device)
+    ids, steps = ids[:, :300], ids[:, 300:]
     bounds = [(0, 100), (100, 229), (229, 300)]  # B x T = 200 (token by token), 258 (chunked), 142 (token by token)
     calls = []
     for name in ("forward_fused", "forward_recurrent"):
@@ -142,7 +143,7 @@ def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatc
     forget_kda_backends()
     with torch.no_grad():
         full = model(ids).logits
-    fused, cache = cached_prefill(model, ids, bounds, dtype, decode)
+    fused, cache = cached_prefill(model, ids, bounds, dtype, steps)
     steps = [("forward_recurrent", 100), ("forward_fused", 129), ("forward_recurrent", 71)] + \
         [("forward_recurrent", 1)] * decode
     # 2 KDA layers: uncached (chunk_kda), then each chunk and step with a state
@@ -150,7 +151,7 @@ def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatc
     monkeypatch.setenv(FUSED_ENV, "0")
     forget_kda_backends()
     calls.clear()
-    reference, ref_cache = cached_prefill(model, ids, bounds, dtype, decode)
+    reference, ref_cache = cached_prefill(model, ids, bounds, dtype, steps)
     assert not calls
     forget_kda_backends()
     errors = {"logits_vs_uncached": rel_norm_err(fused[:, :300], full),

@@ -1,6 +1,7 @@
 """The inference-only fla kernels of ops/kda/fused.py against their fp32 references (issue #12):
 `recurrent_gated` (fla's token-by-token KDA with the gate, beta's sigmoid and the q, k L2 norms in the kernel,
-from a state, and in place in a slot pool) and `rms_norm`.
+from a state, and in place in a slot pool) and `rms_norm` (split views included). What openk3 does around them
+(which path runs, the slot pool's rows) is checked on any machine by tests/model/test_kda_fused_routing.py.
 
 CUDA only. NOTE: Triton's interpreter (TRITON_INTERPRET=1, triton 3.6) cannot run them on the CPU: the recurrent
 kernel's `tl.range(0, T)` over a scalar argument fails there, and the norm kernel's autotuner needs a GPU driver.
@@ -12,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.model.state import KDAState, SlotKDAState
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda.naive import naive_recurrent_kda
 from tests.helpers import rel_err
@@ -56,37 +56,36 @@ def reference(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, state):
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-gate", "softplus-gate"])
 @pytest.mark.parametrize("T", [1, 7])
 def test_recurrent_gated_equals_the_reference(T, lower_bound, saturated):
-    """From a KDAState: the outputs and the final state (the state object updated, fp32) match the fp32 chain."""
+    """From a state: the outputs and the final state (fp32) match the fp32 chain; the initial state is not written."""
     q, k, v, f, beta_logits, A_log, dt_bias, state = inputs(T, torch.float32, seed=T, saturated=saturated)
     want_o, want_state = reference(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, state)
-    s = KDAState(state.clone(), torch.zeros(B, 3, 3 * H * K, device=DEVICE))
-    o = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, s)
-    assert o.shape == (B, T, H, K)
-    assert s.recurrent.dtype == torch.float32
+    before = state.clone()
+    o, final = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, state)
+    assert o.shape == (B, T, H, K) and final.dtype == torch.float32 and torch.equal(state, before)
     tol = 5e-3  # Triton's fp32 dot products run in TF32 on Hopper
     assert rel_err(o.float(), want_o) < tol
-    assert rel_err(s.recurrent, want_state) < tol
+    assert rel_err(final, want_state) < tol
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-gate", "softplus-gate"])
 def test_recurrent_gated_updates_the_slot_pool_in_place(lower_bound):
-    """A decode step (T = 1) over a SlotKDAState: the rows at the slots are updated in the pool itself (no gather, no
-    write back), equal to the KDAState step, and no other slot changes; a row gathered before is not served after."""
+    """A decode step (T = 1) with state indices: the rows of the pool at the indices are updated in place (no gather,
+    no write back), equal to the step from those rows, and no other row changes."""
     q, k, v, f, beta_logits, A_log, dt_bias, state = inputs(1, torch.bfloat16, seed=5, saturated=False)
-    s = KDAState(state.clone(), torch.zeros(B, 3, 3 * H * K, device=DEVICE))
-    want = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, s)
+    want_o, want_state = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5,
+                                                   state)
     pool = torch.randn(5, H, K, K, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     slots = torch.tensor([3, 1], device=DEVICE)
     pool[slots] = state
     before = pool.clone()
-    conv_pool = torch.zeros(5, 3, 3 * H * K, device=DEVICE)
-    slot_state = SlotKDAState(pool, conv_pool, slots, recurrent=pool[slots].clone())
-    o = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, slot_state)
-    assert torch.equal(o, want)
-    assert torch.equal(pool[slots], s.recurrent)
+    o, final = kda_fused.recurrent_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, K ** -0.5, pool,
+                                         slots)
+    assert final is None and torch.equal(o, want_o) and torch.equal(pool[slots], want_state)
     others = [i for i in range(5) if i not in (1, 3)]
     assert torch.equal(pool[others], before[others])
-    assert torch.equal(slot_state.recurrent, s.recurrent)  # read from the pool, not the gathered copy
+    with pytest.raises(ValueError, match="T=2"):
+        q2, k2, v2, f2, b2, *_ = inputs(2, torch.bfloat16, seed=6, saturated=False)
+        kda_fused.recurrent_gated(q2, k2, v2, f2, b2, A_log, dt_bias, lower_bound, K ** -0.5, pool, slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,4 +97,8 @@ def test_rms_norm_equals_the_reference(dtype):
     want = F.rms_norm(x.float(), (48,), w.float(), 1e-5).to(dtype)
     got = kda_fused.rms_norm(x, w, 1e-5)
     assert got.dtype == dtype and got.shape == x.shape
-    assert rel_err(got.float(), want.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(got.float(), want.float()) < tol
+    c = x[..., :40]  # a split view, as GatedMLA.latent's c: rows 48 apart, not 40
+    want = F.rms_norm(c.float(), (40,), w[:40].float(), 1e-5).to(dtype)
+    assert rel_err(kda_fused.rms_norm(c, w[:40], 1e-5).float(), want.float()) < tol

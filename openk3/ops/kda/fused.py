@@ -11,11 +11,12 @@ and chunk_gated also start from a cache's state (the conv tail, the recurrent st
                    fla's chunk_kda, which also returns the gradients of A_log and dt_bias
     recurrent_gated the same gate, beta's sigmoid and the q, k L2 norms inside fla's token-by-token kernel, from a
                    cache's state (forward only): a decode step, and a cached prefill of few tokens, where
-                   chunk_kda's ~2 ms of host time a call outweighs the recurrence's device time (docs/engine.md);
-                   a decode step of the engine's slot pool updates the pool's rows in place (no gather, no scatter)
+                   chunk_kda's ~2 ms of host time a call outweighs the recurrence's device time (docs/engine.md
+                   "KDA from a cache, token by token"); a decode step of the engine's slot pool updates the pool's
+                   rows in place (no gather, no scatter)
     gated_rms_norm the per-head o_norm times sigmoid(output gate)
     rms_norm       model.py's rms_norm in one kernel, for inference (forward only): the eager decode step ran
-                   three dtype casts around each of its ~37 norms (docs/engine.md "Fewer kernels a decode step")
+                   three dtype casts around each of its ~37 norms (docs/engine.md "KDA from a cache, token by token")
     swiglu         ops/situ.py's swiglu (the Kimi-Linear MLPs and experts; K3's SiTU has no fla kernel)
 
 Arithmetic is fp32 inside the kernels, as in the reference; the results round once to the input dtype where
@@ -26,8 +27,16 @@ its test_fused_cached_prefill_equals_one_forward cases a prefill in chunks with 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+def on_device(x: Tensor):
+    """The CUDA device context of x (fla's guarded wrappers enter it; its bare kernels launch on the current device)."""
+    return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
 
 
 def conv_silu(qkv: Tensor, w_CW: Tensor, cu_seqlens: Tensor | None, tail_BWC: Tensor | None = None) -> Tensor:
@@ -74,32 +83,32 @@ def chunk_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, A_log:
 
 
 def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Tensor, A_log: Tensor,
-                    dt_bias: Tensor, lower_bound: float | None, scale: float, state) -> Tensor:
-    """`chunk_gated`'s delta rule token by token, continuing `state` (a `KDAState`, or a `SlotKDAState` whose rows
-    live in the engine's slot pool) and updating it: q, k, v [B, T, H, K] (L2-normed in the kernel), f the raw gate
-    input [B, T, H, K], beta_logits [B, T, H] before their sigmoid (taken in the kernel, in fp32) -> o [B, T, H, K].
-    With a slot pool and T = 1 the kernel reads and writes the pool's rows at the state's slots in place (fla's
-    continuous-batching mode, `ssm_state_indices`). Forward only (fla has no backward for it)."""
+                    dt_bias: Tensor, lower_bound: float | None, scale: float, initial_state: Tensor,
+                    state_indices: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """`chunk_gated`'s delta rule token by token from `initial_state` (forward only; fla has no backward for it):
+    q, k, v [B, T, H, K] (L2-normed in the kernel), f the raw gate input [B, T, H, K], beta_logits [B, T, H] before
+    their sigmoid (taken in the kernel, in fp32) -> (o [B, T, H, K], the final state [B, H, K, V] fp32).
+    With `state_indices` [B] (T = 1 only): `initial_state` is a pool [S, H, K, V] fp32 whose rows at the indices are
+    read and overwritten in place (fla's continuous-batching mode, the engine's slot pool); the final state is then
+    None (it is in the pool)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    T = q.shape[1]
-    # NOTE: the kernel walks q, k, v, f by pointer over contiguous [B, T, H, K] rows (fused_recurrent_kda_fwd has
-    # no input guard): the q | k | v split views of the conv output must be copied
+    # NOTE: the kernel walks q, k, v, f by pointer over contiguous [B, T, H, K] rows and has no input guard: the
+    # q | k | v split views of the conv output are copied, and the launch is put on the inputs' device here
     args = dict(q=q.contiguous(), k=k.to(q.dtype).contiguous(), v=v.to(q.dtype).contiguous(), g=f.contiguous(),
                 beta=beta_logits.contiguous(), A_log=A_log.float(), dt_bias=dt_bias.float(), scale=scale,
                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 lower_bound=lower_bound)
-    pool = state.pool_rows() if T == 1 and hasattr(state, "pool_rows") else None
-    if pool is not None:
-        recurrent_pool, slots = pool
-        # NOTE: one index per sequence and token; with T = 1 a [B] vector (the kernel reads index i_n * stride + 0)
-        o, _ = fused_recurrent_kda_fwd(initial_state=recurrent_pool, inplace_final_state=True,
-                                       ssm_state_indices=slots, **args)
-        return o
-    o, final = fused_recurrent_kda_fwd(initial_state=state.recurrent.float().contiguous(), inplace_final_state=False,
+    with on_device(q):
+        if state_indices is not None:
+            if q.shape[1] != 1:
+                raise ValueError(f"recurrent_gated: state_indices need one token per row, got T={q.shape[1]}")
+            # one index per sequence: the kernel reads index i_n * stride + 0 and writes the row back there
+            o, _ = fused_recurrent_kda_fwd(initial_state=initial_state, inplace_final_state=True,
+                                           ssm_state_indices=state_indices, **args)
+            return o, None
+        return fused_recurrent_kda_fwd(initial_state=initial_state.float().contiguous(), inplace_final_state=False,
                                        output_final_state=True, **args)
-    state.recurrent = final
-    return o
 
 
 def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -115,7 +124,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     from fla.modules.norm.layernorm import layer_norm_fwd
 
     D = x.shape[-1]
-    y, _, _, _ = layer_norm_fwd(x.reshape(-1, D), weight, None, eps, is_rms_norm=True)
+    # NOTE: the kernel steps from row to row by D and has no input guard: a split view (GatedMLA.latent's c, whose
+    # rows are r + rope apart) must be copied, or the norm reads the wrong rows
+    with on_device(x):
+        y, _, _, _ = layer_norm_fwd(x.reshape(-1, D).contiguous(), weight, None, eps, is_rms_norm=True)
     return y.view(x.shape)
 
 

@@ -1,0 +1,179 @@
+"""The routing of the fused KDA paths on the CPU, with fla's kernels replaced by PyTorch stand-ins (issue #12).
+
+On CUDA with fla, a KDA forward from a cache of at most RECURRENT_MAX_TOKENS tokens runs `forward_recurrent`
+(fla's token-by-token kernel, in place in the engine's slot pool at T = 1), a longer one `forward_fused`, and every
+inference norm fla's one-kernel norm. The GPU tests check fla's kernels (tests/model/test_kda_backends_gpu.py,
+tests/ops/test_kda_fused_kernels.py); this checks, wherever the suite runs, what openk3 does around them: which path
+runs, the arguments handed over (the stand-ins refuse what fla's bare kernels would misread: non-contiguous
+inputs), the slot pool's in-place rows, against the reference chain of the CPU backend. The stand-ins compute what
+fla's kernels compute, from openk3's own references, in fp32.
+"""
+
+import random
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import openk3.model.model as model_module
+import openk3.serve.static as static_module
+from openk3.model.model import KimiDeltaAttention, causal_conv_silu
+from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
+from openk3.serve.runner import ModelRunner
+from openk3.serve.sampler import SamplingParams
+from tests.helpers import rel_err
+from tests.serve.test_cache import small_model
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
+
+
+def decay(g, A_log, dt_bias, lower_bound):
+    H, K = g.shape[-2:]
+    x = g.float() + dt_bias.float().view(H, K)
+    a = A_log.float().exp().view(H, 1)
+    return lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * F.softplus(x)
+
+
+def contiguous(**tensors):
+    for name, t in tensors.items():
+        assert t.is_contiguous(), f"{name} is not contiguous: a bare fla kernel would read the wrong elements"
+
+
+def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state,
+                            output_final_state=False, ssm_state_indices=None, use_qk_l2norm_in_kernel=False,
+                            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, lower_bound=None):
+    contiguous(q=q, k=k, v=v, g=g, beta=beta)
+    assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel
+    h0 = initial_state[ssm_state_indices] if ssm_state_indices is not None else initial_state
+    o, ht = naive_recurrent_kda(q, k, v, decay(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float()),
+                                scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if inplace_final_state:
+        assert q.shape[1] == 1 and ssm_state_indices is not None
+        initial_state[ssm_state_indices] = ht
+        return o.to(v.dtype), initial_state
+    return o.to(v.dtype), ht if output_final_state else None
+
+
+def chunk_kda(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+              use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None):
+    assert use_qk_l2norm_in_kernel and use_gate_in_kernel and safe_gate == (lower_bound is not None)
+    o, ht = chunk_kda_torch(q, k, v, decay(g, A_log, dt_bias, lower_bound), beta.float(), scale=scale,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=True)
+    return o.to(q.dtype), ht
+
+
+def causal_conv1d(x, weight, activation, initial_state=None):
+    assert activation == "silu"
+    C, W = weight.shape
+    # fla's conv state [B, C, W]: the last W inputs, newest at index W-1, index 0 never read
+    tail = None if initial_state is None else initial_state[..., 1:].transpose(1, 2)
+    return causal_conv_silu(x, weight[:, None, :], None, tail).to(x.dtype), None
+
+
+def rms_norm_gated(o, gate, weight, bias, activation, eps):
+    assert activation == "sigmoid" and bias is None
+    return (F.rms_norm(o.float(), (o.shape[-1],), weight.float(), eps) * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def layer_norm_fwd(x, weight, bias, eps, is_rms_norm):
+    contiguous(x=x)
+    assert x.ndim == 2 and is_rms_norm and bias is None
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype), None, None, x
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """fla's modules as the stand-ins above, and a backend that says fla's fused path runs; the calls recorded."""
+    calls = []
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return call
+    modules = {"fla": {}, "fla.ops": {}, "fla.ops.kda": {"chunk_kda": chunk_kda},
+               "fla.ops.kda.fused_recurrent": {"fused_recurrent_kda_fwd": fused_recurrent_kda_fwd},
+               "fla.modules": {}, "fla.modules.causal_conv1d": {"causal_conv1d": causal_conv1d},
+               "fla.modules.norm": {}, "fla.modules.norm.fused_norm_gate": {"rms_norm_gated": rms_norm_gated},
+               "fla.modules.norm.layernorm": {"layer_norm_fwd": layer_norm_fwd}}
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        for key, fn in attrs.items():
+            setattr(module, key, recorded(fn))
+        monkeypatch.setitem(sys.modules, name, module)
+    backend = KDABackend("fla", "stand-ins (tests)", chunk_kda_torch, naive_recurrent_kda, fused=True)
+    for module in (model_module, static_module):
+        monkeypatch.setattr(module, "select_kda_backend", lambda device: backend)
+    return calls
+
+
+def reference_backend(monkeypatch):
+    backend = KDABackend("torch", "reference (tests)", chunk_kda_torch, naive_recurrent_kda)
+    for module in (model_module, static_module):
+        monkeypatch.setattr(module, "select_kda_backend", lambda device: backend)
+
+
+def serve(runner, prompts, joins, steps):
+    """Prefill prompts[i] (batch 1) and join it before decode step joins[i]; decode `steps` greedy steps (the fast
+    path's static step when the runner has one, else the general forward); the request of row 0 leaves after step
+    2. -> the fp32 logits of every step."""
+    out, seqs, last = [], [], []
+    from openk3.serve.cache import PagedSeq
+    with torch.inference_mode():
+        for step in range(steps):
+            for prompt, at in zip(prompts, joins):
+                if at != step:
+                    continue
+                need = runner.pool.pages_for(len(prompt) + steps + 1)
+                runner.pool.reserve(need)
+                seq = PagedSeq(reserved=need)
+                states = runner.new_states()
+                logits = runner.forward([seq], states, [prompt], logits_to_keep=1)
+                runner.join(states)
+                seqs.append(seq)
+                last.append(int(logits[0, -1].argmax()))
+            n = len(seqs)
+            if runner.decoder is not None:
+                logits = runner.decode(seqs, last, [GREEDY] * n, [0] * n, [0] * n, with_logits=True)[3]
+            else:
+                logits = runner.forward(seqs, runner.kda, [[t] for t in last])[:, -1]
+            out.append(logits.float().clone())
+            last = logits.argmax(-1).tolist()
+            if step == 2:
+                seqs[0].free(runner.pool)
+                runner.keep_rows(list(range(1, n)))
+                seqs, last = seqs[1:], last[1:]
+    return out
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch):
+    """Prompts prefilled from a cache token by token (<= RECURRENT_MAX_TOKENS, cut to 8 here) and chunked (longer),
+    then ragged decode steps through the fast path's static step, its KDA rows updated in place in the slot pool,
+    with requests joining and one leaving: every step's logits equal the reference chain's general path (fp32).
+    Every norm ran fla's one-kernel norm, on contiguous rows (GatedMLA's latent norm gets a split view)."""
+    monkeypatch.setattr(model_module, "RECURRENT_MAX_TOKENS", 8)
+    model = small_model(family, seed=3)
+    rng = random.Random(0)
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 13, 7)]
+    joins, steps = (0, 0, 3), 6
+    paths = []
+    real = {name: getattr(KimiDeltaAttention, name) for name in ("forward_recurrent", "forward_fused")}
+    for name, fn in real.items():
+        monkeypatch.setattr(KimiDeltaAttention, name, lambda self, x, *a, _fn=fn, _n=name, **k:
+                            paths.append((_n, x.shape[1])) or _fn(self, x, *a, **k))
+    fused = serve(ModelRunner(model, num_pages=64, page_size=4, slots=4), prompts, joins, steps)
+    kda_layers = model.config.layer_types.count("kda")
+    assert {("forward_recurrent", 5), ("forward_fused", 13), ("forward_recurrent", 7),
+            ("forward_recurrent", 1)} == set(paths)
+    assert paths.count(("forward_recurrent", 1)) == kda_layers * steps
+    assert fake_fla.count("fused_recurrent_kda_fwd") == kda_layers * (2 + steps)
+    assert fake_fla.count("layer_norm_fwd") > 0 and "chunk_kda" in fake_fla
+    reference_backend(monkeypatch)
+    want = serve(ModelRunner(model, num_pages=64, page_size=4), prompts, joins, steps)
+    for step, (a, b) in enumerate(zip(fused, want)):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, (step, rel_err(a, b))
