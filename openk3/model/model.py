@@ -327,17 +327,16 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.H, self.K
         backend = select_kda_backend(x.device)
-        # The fused path also runs from a cache: a decode step and a short cached prefill token by token
-        # (`forward_recurrent`), a longer one chunked; `keep_inputs` (speculative rollback) needs the per-token
-        # inputs only the reference chain produces.
-        # NOTE: not inside torch.compile (the compiled decode step, serve/static.py): with fla's wrappers as graph
-        # breaks there, dynamo failed on the H200 at the second batch bucket (an internal error in its shape guards);
-        # the reference chain traces whole, as before
-        if backend.fused and state is not None and not keep_inputs and B * T <= RECURRENT_MAX_TOKENS \
-                and not torch.compiler.is_compiling():
-            return self.forward_recurrent(x, state)
-        if backend.fused and (state is None or (T > 1 and not keep_inputs)):
-            return self.forward_fused(x, cu_seqlens, state)
+        # The fused path also runs from a cache: a decode step and a short cached prefill token by token, a longer
+        # one chunked; `keep_inputs` (speculative rollback) needs the per-token inputs only the reference chain
+        # produces. NOTE: a decode step inside torch.compile (the compiled step, serve/static.py) keeps the reference
+        # chain: with fla's wrappers as graph breaks there, dynamo failed on the H200 at the second batch bucket (an
+        # internal error in its shape guards); the reference chain traces whole, as before
+        if backend.fused and (state is None or not keep_inputs):
+            if state is not None and B * T <= RECURRENT_MAX_TOKENS and not torch.compiler.is_compiling():
+                return self.forward_fused(x, cu_seqlens, state, recurrent=True)
+            if state is None or T > 1:
+                return self.forward_fused(x, cu_seqlens, state)
         outs = fused_outputs(self, x)
         qkv = self.qkv_proj(x) if outs is None else outs["qkv"]
         q, k, v, g, beta = self.kernel_inputs(x, qkv, pos, state.conv if state is not None else None, outs)
@@ -361,12 +360,17 @@ class KimiDeltaAttention(nn.Module):
                 state.recurrent = final
         return self.output(o, x, outs)
 
-    def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None) -> Tensor:
+    def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None,
+                      recurrent: bool = False) -> Tensor:
         """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU, the
         decay gate inside chunk_kda, and the gated output norm; with `state` (not with cu_seqlens) the conv starts
         from its tail and the recurrence from its state, and both are updated as `forward` updates them (inputs
-        None). Same math as the reference pieces below; tests/model/test_kda_backends_gpu.py checks a training
-        step (its fused=1 cases) and a chunked cached prefill against them on the GPU."""
+        None). `recurrent` (with a state, forward only): fla's token-by-token kernel in place of chunk_kda, with
+        beta's sigmoid inside it too; a decode step of the engine's slot pool (T = 1) updates the pool's rows where
+        they are (`recurrent_gated`, docs/engine.md "KDA from a cache, token by token"). Same math as the reference
+        pieces below; tests/model/test_kda_backends_gpu.py checks a training step (its fused=1 cases) and a cached
+        prefill and decode both ways against them on the GPU, tests/model/test_kda_fused_routing.py the routing
+        and the slot pool on any machine."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         outs = fused_outputs(self, x)
@@ -374,40 +378,21 @@ class KimiDeltaAttention(nn.Module):
         tail = state.conv if state is not None else None
         qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
-        beta = torch.sigmoid(project(self, "b_proj", x, outs).float())
-        o, final = outside_graph(kda_fused.chunk_gated, q, k, v, self.decay_input(x, outs), beta, self.A_log.float(),
-                                 self.dt_bias.float(), self.lower_bound, K ** -0.5, cu_seqlens,
-                                 initial_state=state.recurrent if state is not None else None)
+        f, b = self.decay_input(x, outs), project(self, "b_proj", x, outs)
+        gate = (self.A_log, self.dt_bias, self.lower_bound, K ** -0.5)
+        if not recurrent:
+            o, final = outside_graph(kda_fused.chunk_gated, q, k, v, f, torch.sigmoid(b.float()), *gate, cu_seqlens,
+                                     initial_state=state.recurrent if state is not None else None)
+        elif T == 1 and isinstance(state, SlotKDAState):  # the engine's slot pool: its rows updated where they are
+            o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, *state.pool_rows())
+        else:
+            o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, state.recurrent)
         if state is not None:
             state.conv = self.conv_tail(tail, qkv_in)
-            state.recurrent = final
+            if final is not None:  # (None: updated in the pool)
+                state.recurrent = final
             state.inputs = None
         o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
-        return self.o_proj(o.flatten(-2).to(x.dtype))
-
-    def forward_recurrent(self, x: Tensor, state: KDAState) -> Tensor:
-        """`forward_fused` from a cache with fla's token-by-token kernel in place of chunk_kda (forward only): the
-        gate, beta's sigmoid and the L2 norms inside it, the engine's slot pool updated in place at T = 1
-        (ops/kda/fused.py `recurrent_gated`). For a decode step and a cached prefill of at most
-        RECURRENT_MAX_TOKENS tokens in the batch; tests/model/test_kda_backends_gpu.py checks it against the
-        reference chain on the GPU. Never inside torch.compile (`forward` sends a compiled decode step to the
-        reference chain), so fla's wrappers are called directly."""
-        T, H, K = x.shape[1], self.H, self.K
-        outs = fused_outputs(self, x)
-        qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
-        tail = state.conv
-        qkv = kda_fused.conv_silu(qkv_in, self.conv_weight()[:, 0, :], None, tail)
-        state.conv = self.conv_tail(tail, qkv_in)
-        state.inputs = None
-        q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
-        gate_args = (self.decay_input(x, outs), project(self, "b_proj", x, outs), self.A_log, self.dt_bias,
-                     self.lower_bound, K ** -0.5)
-        if T == 1 and isinstance(state, SlotKDAState):  # the engine's slot pool: its rows updated where they are
-            pool, slots = state.pool_rows()
-            o, _ = kda_fused.recurrent_gated(q, k, v, *gate_args, pool, slots)
-        else:
-            o, state.recurrent = kda_fused.recurrent_gated(q, k, v, *gate_args, state.recurrent)
-        o = kda_fused.gated_rms_norm(o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its

@@ -15,9 +15,9 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
                    each (B, P, greedy-only) bucket is captured the first time it is met, after a warmup on a side
                    stream, and replayed from then on; on the CPU the same step runs eagerly. With `compile`, the
                    step is `torch.compile`d first (fusing its small ops; the KDA layers then keep their reference
-                   chain, see model.py `forward_recurrent`). Off by default, as its first use compiles: on the H200
-                   32 s and 44 s, and then it decoded kimi-linear-1.5b 13% faster than the default at batch 1 and no
-                   faster at batch 16 and 64 (docs/engine.md "On the H200, latest").
+                   chain, see model.py `KimiDeltaAttention.forward`). Off by default, as its first use compiles: on
+                   the H200 32 s and 44 s, and then it decoded kimi-linear-1.5b 13% faster than the default at
+                   batch 1 and no faster at batch 16 and 64 (docs/engine.md "On the H200, latest").
 
 The reference is the engine's general path (runner.py `ModelRunner.forward` over `paged_cache`, then
 `sample_tokens`); tests/serve/test_static.py checks that both give the same logits for ragged batches whose
@@ -179,7 +179,8 @@ class StaticDecoder:
         self.captured: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
-        # fla's decode kernel updates the pool's recurrent rows in place (model.py `forward_recurrent`; eager only)
+        # fla's decode kernel updates the pool's recurrent rows in place (model.py `forward_fused` with
+        # `recurrent`; eager only)
         self.in_place = select_kda_backend(self.device).fused and not compile
         self.run = self._run
         if compile:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from openk3.config import K3Config
-from openk3.model import K3Cache, K3ForCausalLM, KimiDeltaAttention
+from openk3.model import K3Cache, K3ForCausalLM
 from openk3.model.state import KDAState
 import openk3.model.model as model_module
+from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda.backend import BACKEND_ENV, FUSED_ENV, forget_kda_backends
 from tests.helpers import rel_err, rel_norm_err
 
@@ -116,8 +117,8 @@ def cached_prefill(model, ids, bounds, dtype, steps: torch.Tensor | None = None)
 def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatch, saturated: bool = False) -> dict:
     """The fused KDA paths with a state over a prompt prefilled in 3 chunks (boundaries inside fla's 64-token
     chunks) and 4 decode steps: chunks of at most RECURRENT_MAX_TOKENS (cut to 200 here) token by token
-    (`forward_recurrent`: fla's fused_recurrent_kda with the gate, beta's sigmoid and the L2 norms in the kernel),
-    the longer one through chunk_kda (`forward_fused`), the decode steps token by token. Against one uncached fused
+    (`recurrent_gated`: fla's fused_recurrent_kda with the gate, beta's sigmoid and the L2 norms in the kernel),
+    the longer one through chunk_kda (`chunk_gated`), the decode steps token by token. Against one uncached fused
     forward (the prefill's logits) and the reference chain (fused=0: the gate, sigmoid and norms in PyTorch) over
     the same chunks and steps (every logit and the final states). `saturated`: the gate pinned at its bound (K3:
     lb * sigmoid(+large) = lb) or at a large decay (Kimi-Linear) in every channel. -> the errors."""
@@ -135,19 +136,18 @@ def check_fused_cached_prefill(gate: str, dtype: torch.dtype, device, monkeypatc
     ids, steps = ids[:, :300], ids[:, 300:]
     bounds = [(0, 100), (100, 229), (229, 300)]  # B x T = 200 (token by token), 258 (chunked), 142 (token by token)
     calls = []
-    for name in ("forward_fused", "forward_recurrent"):
-        real = getattr(KimiDeltaAttention, name)
-        monkeypatch.setattr(KimiDeltaAttention, name, lambda self, x, *a, _real=real, _name=name, **k:
-                            calls.append((_name, x.shape[1])) or _real(self, x, *a, **k))
+    for name in ("recurrent_gated", "chunk_gated"):
+        real = getattr(kda_fused, name)
+        monkeypatch.setattr(kda_fused, name, lambda q, *a, _real=real, _name=name, **k:
+                            calls.append((_name, q.shape[1])) or _real(q, *a, **k))
     monkeypatch.setenv(FUSED_ENV, "1")
     forget_kda_backends()
     with torch.no_grad():
         full = model(ids).logits
     fused, cache = cached_prefill(model, ids, bounds, dtype, steps)
-    steps = [("forward_recurrent", 100), ("forward_fused", 129), ("forward_recurrent", 71)] + \
-        [("forward_recurrent", 1)] * decode
+    path = [("recurrent_gated", 100), ("chunk_gated", 129), ("recurrent_gated", 71)] + [("recurrent_gated", 1)] * decode
     # 2 KDA layers: uncached (chunk_kda), then each chunk and step with a state
-    assert calls == [("forward_fused", 300)] * 2 + [c for c in steps for _ in range(2)], calls
+    assert calls == [("chunk_gated", 300)] * 2 + [c for c in path for _ in range(2)], calls
     monkeypatch.setenv(FUSED_ENV, "0")
     forget_kda_backends()
     calls.clear()

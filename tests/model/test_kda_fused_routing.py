@@ -1,8 +1,8 @@
 """The routing of the fused KDA paths on the CPU, with fla's kernels replaced by PyTorch stand-ins (issue #12).
 
-On CUDA with fla, a KDA forward from a cache of at most RECURRENT_MAX_TOKENS tokens runs `forward_recurrent`
-(fla's token-by-token kernel, in place in the engine's slot pool at T = 1), a longer one `forward_fused`, and every
-inference norm fla's one-kernel norm. The GPU tests check fla's kernels (tests/model/test_kda_backends_gpu.py,
+On CUDA with fla, a KDA forward from a cache of at most RECURRENT_MAX_TOKENS tokens runs fla's token-by-token kernel
+(`recurrent_gated`, in place in the engine's slot pool at T = 1), a longer one fla's chunked kernel (`chunk_gated`),
+and every inference norm fla's one-kernel norm. The GPU tests check fla's kernels (tests/model/test_kda_backends_gpu.py,
 tests/ops/test_kda_fused_kernels.py); this checks, wherever the suite runs, what openk3 does around them: which path
 runs, the arguments handed over (the stand-ins refuse what fla's bare kernels would misread: non-contiguous
 inputs), the slot pool's in-place rows, against the reference chain of the CPU backend. The stand-ins compute what
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 import openk3.model.model as model_module
 import openk3.serve.static as static_module
-from openk3.model.model import KimiDeltaAttention, causal_conv_silu
+from openk3.model.model import causal_conv_silu
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
+from openk3.ops.kda import fused as kda_fused
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams
 from tests.helpers import rel_err
@@ -162,15 +163,15 @@ def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch)
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 13, 7)]
     joins, steps = (0, 0, 3), 6
     paths = []
-    real = {name: getattr(KimiDeltaAttention, name) for name in ("forward_recurrent", "forward_fused")}
-    for name, fn in real.items():
-        monkeypatch.setattr(KimiDeltaAttention, name, lambda self, x, *a, _fn=fn, _n=name, **k:
-                            paths.append((_n, x.shape[1])) or _fn(self, x, *a, **k))
+    for name in ("recurrent_gated", "chunk_gated"):
+        fn = getattr(kda_fused, name)
+        monkeypatch.setattr(kda_fused, name, lambda q, *a, _fn=fn, _n=name, **k:
+                            paths.append((_n, q.shape[1])) or _fn(q, *a, **k))
     fused = serve(ModelRunner(model, num_pages=64, page_size=4, slots=4), prompts, joins, steps)
     kda_layers = model.config.layer_types.count("kda")
-    assert {("forward_recurrent", 5), ("forward_fused", 13), ("forward_recurrent", 7),
-            ("forward_recurrent", 1)} == set(paths)
-    assert paths.count(("forward_recurrent", 1)) == kda_layers * steps
+    assert {("recurrent_gated", 5), ("chunk_gated", 13), ("recurrent_gated", 7),
+            ("recurrent_gated", 1)} == set(paths)
+    assert paths.count(("recurrent_gated", 1)) == kda_layers * steps
     assert fake_fla.count("fused_recurrent_kda_fwd") == kda_layers * (2 + steps)
     assert fake_fla.count("layer_norm_fwd") > 0 and "chunk_kda" in fake_fla
     reference_backend(monkeypatch)
