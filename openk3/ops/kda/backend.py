@@ -7,7 +7,9 @@
 Default: fla when the device is CUDA and `fla.ops.kda` imports, else torch. The environment
 variable OPENK3_KDA_BACKEND (naive | torch | fla) overrides it; asking for fla where it cannot
 run is an error, never a quiet fallback. With fla, the KDA layer also runs its conv, gate and output norm in fla's
-kernels (ops/kda/fused.py); OPENK3_KDA_FUSED=0 keeps the reference chains around fla's chunk_kda.
+kernels (ops/kda/fused.py; from a cache over few tokens, fla's token-by-token kernel with the gate inside), and every
+inference RMSNorm of the model is fla's one-kernel norm; OPENK3_KDA_FUSED=0 keeps the reference chains around fla's
+chunk_kda and fused_recurrent_kda, and the norms in PyTorch.
 
 Every `chunk` and `recurrent` function takes the same arguments as `naive_recurrent_kda`:
 (q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
