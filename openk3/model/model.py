@@ -263,6 +263,17 @@ def lower_right_causal_mask(T: int, S: int, device) -> Tensor:
 ABSORB_MAX_TOKENS = 16
 
 
+def kda_decay(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
+    """KDA's per-channel log-decay in fp32 from the raw gate input f [..., H, K], A_log [H] and dt_bias [H * K]
+    (spec 2.1): what fla's kernels compute inside with `use_gate_in_kernel` (ops/kda/fused.py)."""
+    H, K = f.shape[-2:]
+    x = f.float() + dt_bias.float().view(H, K)
+    a = A_log.float().exp().view(H, 1)
+    if lower_bound is not None:  # K3: bounded in (lb, 0) so exp of a 16-token cumsum stays in bf16 range
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * F.softplus(x)  # Kimi-Linear: unbounded
+
+
 class KimiDeltaAttention(nn.Module):
     """KDA (spec 2.1): short conv + SiLU on q, k, v; L2-normed q, k; per-channel decay g; delta rule;
     per-head RMSNorm gated by a sigmoid output gate."""
@@ -313,11 +324,7 @@ class KimiDeltaAttention(nn.Module):
 
     def decay(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """Per-channel log-decay g [B, T, H, K] in fp32 (spec 2.1)."""
-        f = self.decay_input(x, outs).float() + self.dt_bias.float().view(self.H, self.K)
-        a = self.A_log.float().exp().view(self.H, 1)
-        if self.lower_bound is not None:  # K3: bounded in (lb, 0) so exp of a 16-token cumsum stays in bf16 range
-            return self.lower_bound * torch.sigmoid(a * f)
-        return -a * F.softplus(f)  # Kimi-Linear: unbounded
+        return kda_decay(self.decay_input(x, outs), self.A_log, self.dt_bias, self.lower_bound)
 
     def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, pos: Tensor | None = None,
                 state: KDAState | None = None, keep_inputs: bool = False) -> Tensor:
@@ -379,7 +386,7 @@ class KimiDeltaAttention(nn.Module):
         qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         f, b = self.decay_input(x, outs), project(self, "b_proj", x, outs)
-        gate = (self.A_log, self.dt_bias, self.lower_bound, K ** -0.5)
+        gate = (self.A_log.float(), self.dt_bias.float(), self.lower_bound, K ** -0.5)
         if not recurrent:
             o, final = outside_graph(kda_fused.chunk_gated, q, k, v, f, torch.sigmoid(b.float()), *gate, cu_seqlens,
                                      initial_state=state.recurrent if state is not None else None)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import openk3.model.model as model_module
 import openk3.serve.static as static_module
-from openk3.model.model import causal_conv_silu
+from openk3.model.model import causal_conv_silu, kda_decay
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
 from openk3.ops.kda import fused as kda_fused
 from openk3.serve.runner import ModelRunner
@@ -28,13 +28,6 @@ from tests.helpers import rel_err
 from tests.serve.test_cache import small_model
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
-
-
-def decay(g, A_log, dt_bias, lower_bound):
-    H, K = g.shape[-2:]
-    x = g.float() + dt_bias.float().view(H, K)
-    a = A_log.float().exp().view(H, 1)
-    return lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * F.softplus(x)
 
 
 def contiguous(**tensors):
@@ -48,7 +41,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
     contiguous(q=q, k=k, v=v, g=g, beta=beta)
     assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel
     h0 = initial_state[ssm_state_indices] if ssm_state_indices is not None else initial_state
-    o, ht = naive_recurrent_kda(q, k, v, decay(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float()),
+    o, ht = naive_recurrent_kda(q, k, v, kda_decay(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float()),
                                 scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if inplace_final_state:
         assert q.shape[1] == 1 and ssm_state_indices is not None
@@ -60,7 +53,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
 def chunk_kda(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None):
     assert use_qk_l2norm_in_kernel and use_gate_in_kernel and safe_gate == (lower_bound is not None)
-    o, ht = chunk_kda_torch(q, k, v, decay(g, A_log, dt_bias, lower_bound), beta.float(), scale=scale,
+    o, ht = chunk_kda_torch(q, k, v, kda_decay(g, A_log, dt_bias, lower_bound), beta.float(), scale=scale,
                             initial_state=initial_state, output_final_state=output_final_state,
                             use_qk_l2norm_in_kernel=True)
     return o.to(q.dtype), ht

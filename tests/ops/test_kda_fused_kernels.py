@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from openk3.model.model import kda_decay
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda.naive import naive_recurrent_kda
 from tests.helpers import rel_err
@@ -43,10 +44,8 @@ def inputs(T: int, dtype: torch.dtype, seed: int, saturated: bool):
 
 
 def reference(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, state):
-    """model.py's decay() and beta's sigmoid in fp32, then the naive recurrence (fp32)."""
-    x = f.float() + dt_bias.view(H, K)
-    a = A_log.exp().view(H, 1)
-    g = lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * F.softplus(x)
+    """model.py's decay and beta's sigmoid in fp32, then the naive recurrence (fp32)."""
+    g = kda_decay(f, A_log, dt_bias, lower_bound)
     return naive_recurrent_kda(q.float(), k.float(), v.float(), g, torch.sigmoid(beta_logits.float()),
                                scale=K ** -0.5, initial_state=state, output_final_state=True,
                                use_qk_l2norm_in_kernel=True)
