@@ -141,7 +141,7 @@ def main() -> None:
     args = bench_args(["--skip-transformers"])
     args.pool_pages = 64 * 12 + 64
     rng = random.Random(0)
-    results = {"hardware": hardware("cuda"), "command": " ".join(sys.argv[1:])}
+    results = {"hardware": hardware(torch.device("cuda")), "command": " ".join(sys.argv[1:])}
     with tempfile.TemporaryDirectory() as tmp:
         model, _, _ = build_checkpoint(args, Path(tmp))
     for name in a.parts:

@@ -338,7 +338,9 @@ class KimiDeltaAttention(nn.Module):
         # one chunked; `keep_inputs` (speculative rollback) needs the per-token inputs only the reference chain
         # produces. NOTE: a decode step inside torch.compile (the compiled step, serve/static.py) keeps the reference
         # chain: with fla's wrappers as graph breaks there, dynamo failed on the H200 at the second batch bucket (an
-        # internal error in its shape guards); the reference chain traces whole, as before
+        # internal error in its shape guards); with fla's decode kernel as a custom op (no graph break) the compiled
+        # step wrote wrong conv tails on the H200 (right on the CPU; docs/engine.md "The compiled step and fla");
+        # the reference chain traces whole and matches an uncached forward there
         if backend.fused and (state is None or not keep_inputs):
             if state is not None and B * T <= RECURRENT_MAX_TOKENS and not torch.compiler.is_compiling():
                 return self.forward_fused(x, cu_seqlens, state, recurrent=True)

@@ -92,36 +92,37 @@ class K3Cache:
 
 
 class SlotKDAState:
-    """Per-layer KDA decode state of a batch whose rows live in preallocated pools, addressed by slot: the
-    engine's fast decode path (docs/engine.md "Fast decode path"). It reads like a `KDAState` (the model only
-    gets and sets `recurrent` and `conv` and sets `inputs`), but getting gathers the batch's rows out of the pools
-    [slots, H, K, K] fp32 and [slots, W-1, 3*H*K], and setting writes them back in place (`index_copy_`), so
-    requests join and leave by slot assignment and no batch tensor is ever rebuilt.
+    """Per-layer KDA decode state of a batch whose rows live in preallocated pools, addressed by row: the engine's
+    fast decode path (docs/engine.md "Fast decode path"). It reads like a `KDAState` (the model only gets and sets
+    `recurrent` and `conv` and sets `inputs`), but getting gathers the batch's rows out of the pools
+    [N, H, K, K] fp32 and [N, W-1, 3*H*K], and setting writes them back in place (`index_copy_`), so requests join
+    and leave by slot assignment and no batch tensor is ever rebuilt. (serve/static.py `SlotPool` keeps every
+    layer's rows in one pool of each kind; `rows` are this layer's rows of the batch there.)
 
-    `recurrent` and `conv` (optional): the rows at `slots` already gathered (the static step gathers every layer's
-    rows in one op, serve/static.py `SlotPool.view`); gets return them until a set writes the pool.
+    `recurrent` and `conv` (optional): the rows already gathered (the static step gathers every layer's rows in one
+    op, serve/static.py `SlotPool.view`); gets return them until a set writes the pool.
     NOTE: rows that only pad a batch to its CUDA-graph bucket point at a scratch slot and write what they computed
     there; whoever pads (the static step) zeroes the scratch slot again after its forward (`SlotPool.clear_scratch`)."""
 
-    def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, slots: Tensor, recurrent: Tensor | None = None,
+    def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, rows: Tensor, recurrent: Tensor | None = None,
                  conv: Tensor | None = None):
-        self.recurrent_pool, self.conv_pool, self.slots = recurrent_pool, conv_pool, slots
+        self.recurrent_pool, self.conv_pool, self.rows = recurrent_pool, conv_pool, rows
         self._gathered = {"recurrent": recurrent, "conv": conv}
         self.inputs: dict[str, Tensor] | None = None
 
     def pool_rows(self) -> tuple[Tensor, Tensor]:
-        """(the recurrent pool [slots, H, K, K] fp32, the batch's slots [B]) for a kernel that updates the rows in
+        """(the recurrent pool [N, H, K, K] fp32, the batch's rows in it [B]) for a kernel that updates the rows in
         place (ops/kda/fused.py `recurrent_gated`); rows gathered before are stale after it."""
         self._gathered["recurrent"] = None
-        return self.recurrent_pool, self.slots
+        return self.recurrent_pool, self.rows
 
     def _read(self, name: str, pool: Tensor) -> Tensor:
         rows = self._gathered[name]
-        return pool.index_select(0, self.slots) if rows is None else rows
+        return pool.index_select(0, self.rows) if rows is None else rows
 
     def _write(self, name: str, pool: Tensor, value: Tensor) -> None:
         self._gathered[name] = None  # stale now
-        pool.index_copy_(0, self.slots, value.to(pool.dtype))
+        pool.index_copy_(0, self.rows, value.to(pool.dtype))
 
     @property
     def recurrent(self) -> Tensor:

@@ -75,9 +75,12 @@ def page_bucket(n: int) -> int:
 class SlotPool:
     """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring).
 
-    Every layer's pool is a view into one tensor per kind ([L, S + 1, H, K, K] fp32 and [L, S + 1, W-1, 3*H*K]),
-    so the static step reads all layers' rows with one gather and resets all scratch slots with one fill, instead
-    of an op per layer for each (docs/engine.md "Fast decode path")."""
+    All layers' states of a kind live in one tensor, layer l's slot s at row l * (S + 1) + s: the recurrent states
+    [L * (S + 1), H, K, K] fp32 and the conv tails [L * (S + 1), W-1, 3*H*K]. So the static step reads all layers'
+    rows with one gather and resets all scratch slots with one fill, instead of an op per layer for each, and every
+    write of a layer's rows (an `index_copy_`, fla's in-place decode kernel) goes into one of those two tensors by row
+    number, never into a view of it: under torch.compile each is then one graph input that the step mutates, with no
+    aliased inputs (docs/engine.md "Fast decode path")."""
 
     def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype):
         if not isinstance(slots, int) or slots < 1:
@@ -85,15 +88,19 @@ class SlotPool:
         lac = config.linear_attn_config
         H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
         n = config.layer_types.count("kda")
-        self.recurrent_all = torch.zeros(n, slots + 1, H, K, K, device=device)
-        self.conv_all = torch.zeros(n, slots + 1, W - 1, 3 * H * K, device=device, dtype=dtype)
-        self.recurrent, self.conv = list(self.recurrent_all.unbind(0)), list(self.conv_all.unbind(0))
+        self.recurrent_all = torch.zeros(n * (slots + 1), H, K, K, device=device)
+        self.conv_all = torch.zeros(n * (slots + 1), W - 1, 3 * H * K, device=device, dtype=dtype)
+        # per-layer views [S + 1, ...], for the host's copies (`take`) and for reading
+        self.recurrent = list(self.recurrent_all.view(n, slots + 1, H, K, K).unbind(0))
+        self.conv = list(self.conv_all.view(n, slots + 1, W - 1, 3 * H * K).unbind(0))
+        self.layer_rows = torch.arange(n, device=device)[:, None] * (slots + 1)  # [L, 1]: layer l's slot 0
+        self.size = slots
         self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
 
     def take(self, states: list[KDAState]) -> int:
         """A free slot, holding row 0 of `states` (a prefilled request's batch-1 states, one per KDA layer)."""
         if not self.free:
-            raise RuntimeError(f"all {self.recurrent_all.shape[1] - 1} KDA slots are in use")
+            raise RuntimeError(f"all {self.size} KDA slots are in use")
         slot = self.free.pop()
         for rec, conv, s in zip(self.recurrent, self.conv, states):
             rec[slot] = s.recurrent[0]
@@ -108,16 +115,21 @@ class SlotPool:
         rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does);
         `gather_recurrent=False` leaves the recurrent rows out of it (fla's decode kernel updates them in the pool
         in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written)."""
-        if not gather:
-            return [SlotKDAState(r, c, slots) for r, c in zip(self.recurrent, self.conv)]
-        conv = self.conv_all.index_select(1, slots).unbind(0)
-        rec = self.recurrent_all.index_select(1, slots).unbind(0) if gather_recurrent else [None] * len(conv)
-        return [SlotKDAState(rp, cp, slots, r, c) for rp, cp, r, c in zip(self.recurrent, self.conv, rec, conv)]
+        rows = self.layer_rows + slots[None, :]  # [L, B]: the batch's rows in the pools, layer by layer
+        L = rows.shape[0]
+        conv = rec = [None] * L
+        if gather:
+            conv = self.conv_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.conv_all.shape[1:]).unbind(0)
+            if gather_recurrent:
+                rec = self.recurrent_all.index_select(0, rows.view(-1)) \
+                    .view(*rows.shape, *self.recurrent_all.shape[1:]).unbind(0)
+        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c)
+                for i, r, c in zip(rows.unbind(0), rec, conv)]
 
     def clear_scratch(self) -> None:
         """Slot 0 of every layer back to the zero state, after a step whose padding rows wrote there."""
-        self.recurrent_all[:, 0].zero_()
-        self.conv_all[:, 0].zero_()
+        self.recurrent_all[::self.size + 1].zero_()
+        self.conv_all[::self.size + 1].zero_()
 
 
 class StaticMLA:

@@ -37,8 +37,9 @@ def contiguous(**tensors):
 
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state,
                             output_final_state=False, ssm_state_indices=None, use_qk_l2norm_in_kernel=False,
-                            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, lower_bound=None):
+                            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, lower_bound=None, out=None):
     contiguous(q=q, k=k, v=v, g=g, beta=beta)
+    assert out is not None and out.shape == v.shape
     assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel
     h0 = initial_state[ssm_state_indices] if ssm_state_indices is not None else initial_state
     o, ht = naive_recurrent_kda(q, k, v, kda_decay(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float()),
@@ -46,8 +47,8 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
     if inplace_final_state:
         assert q.shape[1] == 1 and ssm_state_indices is not None
         initial_state[ssm_state_indices] = ht
-        return o.to(v.dtype), initial_state
-    return o.to(v.dtype), ht if output_final_state else None
+        return out.copy_(o), initial_state
+    return out.copy_(o), ht if output_final_state else None
 
 
 def chunk_kda(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,

@@ -94,16 +94,18 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     # NOTE: the kernel walks q, k, v, f by pointer over contiguous [B, T, H, K] rows and has no input guard: the
-    # q | k | v split views of the conv output are copied, and the launch is put on the inputs' device here
-    args = dict(q=q.contiguous(), k=k.to(q.dtype).contiguous(), v=v.to(q.dtype).contiguous(), g=f.contiguous(),
-                beta=beta_logits.contiguous(), A_log=A_log.float(), dt_bias=dt_bias.float(), scale=scale,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=lower_bound)
+    # q | k | v split views of the conv output are copied, and the launch is put on the inputs' device here. `out`:
+    # the kernel writes every row of it (its default zero-fills one first: a kernel more per layer)
+    v = v.to(q.dtype).contiguous()
+    args = dict(q=q.contiguous(), k=k.to(q.dtype).contiguous(), v=v, g=f.contiguous(), beta=beta_logits.contiguous(),
+                A_log=A_log.float(), dt_bias=dt_bias.float(), scale=scale, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
+                out=torch.empty_like(v))
     with on_device(q):
         if state_indices is not None:
             if q.shape[1] != 1:
                 raise ValueError(f"recurrent_gated: state_indices need one token per row, got T={q.shape[1]}")
-            # one index per sequence: the kernel reads index i_n * stride + 0 and writes the row back there
+            # one index per sequence: the kernel reads row i_n (initial_state.stride(0) apart) and writes it back
             o, _ = fused_recurrent_kda_fwd(initial_state=initial_state, inplace_final_state=True,
                                            ssm_state_indices=state_indices, **args)
             return o, None
