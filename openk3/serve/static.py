@@ -17,7 +17,7 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
                    step is `torch.compile`d first (fusing its small ops; the KDA layers then keep their reference
                    chain, see model.py `KimiDeltaAttention.forward`). Off by default, as its first use compiles: on
                    the H200 32 s and 44 s, and then it decoded kimi-linear-1.5b 13% faster than the default at
-                   batch 1 and no faster at batch 16 and 64 (docs/engine.md "On the H200, latest").
+                   batch 1 and no faster at batch 16 and 64 (docs/engine.md "On the H200 (2026-12-02, third session)").
 
 The reference is the engine's general path (runner.py `ModelRunner.forward` over `paged_cache`, then
 `sample_tokens`); tests/serve/test_static.py checks that both give the same logits for ragged batches whose
