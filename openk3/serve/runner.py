@@ -54,7 +54,7 @@ class ModelRunner:
         self.slots = SlotPool(model.config, slots, self.device, self.dtype) if slots is not None else None
         self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
             if slots is not None else None
-        self.rows: list[int] = []  # fast path: the slot of each row of the decode batch
+        self.rows: list[int] = []  # fast path: the slot of each row of the decode batch (slot ids, not the pools' rows)
         self.kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
         if self.slots is not None:
             self._view()

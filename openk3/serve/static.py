@@ -1,8 +1,9 @@
 """The engine's fast decode path (docs/engine.md "Fast decode path"): one decode step of the whole running batch
 with static shapes, so that on CUDA it can be captured once per batch bucket as a CUDA graph and replayed.
 
-    SlotPool       the decode batch's KDA states, preallocated: per KDA layer a recurrent pool [S + 1, H, K, K]
-                   fp32 and a conv-tail pool [S + 1, W-1, 3*H*K]; a request joining the batch takes a slot (its
+    SlotPool       the decode batch's KDA states, preallocated: for S slots, every KDA layer's recurrent states in
+                   one tensor [L * (S + 1), H, K, K] fp32 and conv tails in one [L * (S + 1), W-1, 3*H*K] (layer
+                   l's slot s at row l * (S + 1) + s); a request joining the batch takes a slot (its
                    prefilled state is copied in once), one leaving gives it back. Slot 0 is a scratch slot for the
                    rows that pad a batch to its bucket (zeroed again after every step, see `SlotKDAState`).
     StaticMLA      one MLA layer's cache for the step: writes the new latent of every row into its page and reads
@@ -79,8 +80,8 @@ class SlotPool:
     [L * (S + 1), H, K, K] fp32 and the conv tails [L * (S + 1), W-1, 3*H*K]. So the static step reads all layers'
     rows with one gather and resets all scratch slots with one fill, instead of an op per layer for each, and every
     write of a layer's rows (an `index_copy_`, fla's in-place decode kernel) goes into one of those two tensors by row
-    number, never into a view of it: under torch.compile each is then one graph input that the step mutates, with no
-    aliased inputs (docs/engine.md "Fast decode path")."""
+    number, not into a view of it (the exception: `clear_scratch`'s strided fill): under torch.compile each is then
+    one graph input that the step mutates, with no aliased inputs (docs/engine.md "Fast decode path")."""
 
     def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype):
         if not isinstance(slots, int) or slots < 1:

@@ -195,7 +195,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])]
 def test_decode_paths_equal_one_uncached_forward(device, monkeypatch):
     """Ground truth for every decode path, not one path against another: ragged prompts prefilled at batch 1, then
     3 decode steps of the batch through the general path, the static step (on CUDA with fla: in place in the slot
-    pool), the same with the reference chain (OPENK3_KDA_FUSED=0) and its compiled form (aot_eager), and every
+    pool), the same with the reference chain (OPENK3_KDA_FUSED=0), the compiled step (aot_eager) both ways, and every
     step's logits against one uncached forward over each row's prompt and the tokens fed so far (fp32, a dense-FFN
     K3-family model). On CUDA fla's kernels run their fp32 dot products in TF32 (~2e-3 apart, measured on the H200),
     so the bound there is 2e-2; a path that drops a state update is ~1 off (the compiled step with fla's kernel
@@ -209,10 +209,14 @@ def test_decode_paths_equal_one_uncached_forward(device, monkeypatch):
         truth = [model(torch.tensor([p + [step[b] for step in fed]], device=device)).logits[0, len(p) - 1:].float()
                  for b, p in enumerate(prompts)]
     tol = 2e-2 if device == "cuda" else 1e-5
-    for fused, kw in [("1", {}), ("1", dict(slots=8)), ("0", dict(slots=8)), ("0", dict(slots=8, compile="aot_eager"))]:
+    cases = [("1", {}), ("1", dict(slots=8)), ("0", dict(slots=8)), ("1", dict(slots=8, compile="aot_eager")),
+             ("0", dict(slots=8, compile="aot_eager"))]
+    for fused, kw in cases:
         monkeypatch.setenv(FUSED_ENV, fused)
         torch._dynamo.reset()
         runner = ModelRunner(model, num_pages=200, page_size=4, **kw)
+        if runner.decoder is not None:  # fla's kernel updates the slot pool in place: on CUDA, eager, fused
+            assert runner.decoder.in_place == (device == "cuda" and fused == "1" and "compile" not in kw)
         seqs = []
         with torch.inference_mode():
             for b, p in enumerate(prompts):

@@ -105,7 +105,8 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
         if state_indices is not None:
             if q.shape[1] != 1:
                 raise ValueError(f"recurrent_gated: state_indices need one token per row, got T={q.shape[1]}")
-            # one index per sequence: the kernel reads row i_n (initial_state.stride(0) apart) and writes it back
+            # one index per sequence: for row n the kernel reads initial_state[state_indices[n]] (rows
+            # initial_state.stride(0) apart) and writes the new state back there
             o, _ = fused_recurrent_kda_fwd(initial_state=initial_state, inplace_final_state=True,
                                            ssm_state_indices=state_indices, **args)
             return o, None
