@@ -23,11 +23,9 @@ from openk3.model.model import causal_conv_silu, kda_decay
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
 from openk3.ops.kda import fused as kda_fused
 from openk3.serve.runner import ModelRunner
-from openk3.serve.sampler import SamplingParams
 from tests.helpers import rel_err
 from tests.serve.test_cache import small_model
-
-GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
+from tests.serve.test_static import greedy_step_logits, prefill_and_join
 
 
 def contiguous(**tensors):
@@ -116,25 +114,16 @@ def serve(runner, prompts, joins, steps):
     path's static step when the runner has one, else the general forward); the request of row 0 leaves after step
     2. -> the fp32 logits of every step."""
     out, seqs, last = [], [], []
-    from openk3.serve.cache import PagedSeq
     with torch.inference_mode():
         for step in range(steps):
             for prompt, at in zip(prompts, joins):
                 if at != step:
                     continue
-                need = runner.pool.pages_for(len(prompt) + steps + 1)
-                runner.pool.reserve(need)
-                seq = PagedSeq(reserved=need)
-                states = runner.new_states()
-                logits = runner.forward([seq], states, [prompt], logits_to_keep=1)
-                runner.join(states)
+                seq, logits = prefill_and_join(runner, prompt, len(prompt) + steps + 1)
                 seqs.append(seq)
-                last.append(int(logits[0, -1].argmax()))
+                last.append(int(logits.argmax()))
             n = len(seqs)
-            if runner.decoder is not None:
-                logits = runner.decode(seqs, last, [GREEDY] * n, [0] * n, [0] * n, with_logits=True)[3]
-            else:
-                logits = runner.forward(seqs, runner.kda, [[t] for t in last])[:, -1]
+            logits = greedy_step_logits(runner, seqs, last)
             out.append(logits.float().clone())
             last = logits.argmax(-1).tolist()
             if step == 2:

@@ -46,22 +46,15 @@ def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
                 prompt = [rng.randrange(V) for _ in range(n)]
                 seqs = []
                 for r in runners:
-                    seq = r_seq(r, n + 16)
-                    states = r.new_states()
-                    logits = r.forward([seq], states, [prompt], logits_to_keep=1)
-                    r.join(states)
+                    seq, logits = prefill_and_join(r, prompt, n + 16)
                     seqs.append(seq)
-                live.append([int(logits[0, -1].argmax()), budget, seqs])
+                live.append([int(logits.argmax()), budget, seqs])
             if not live:
                 continue
             sizes.add(len(live))
             tokens = [x[0] for x in live]
             n = len(live)
-            if ref.decoder is None:
-                want = ref.forward([x[2][0] for x in live], ref.kda, [[t] for t in tokens])[:, -1]
-            else:
-                want = ref.decode([x[2][0] for x in live], tokens, [GREEDY] * n, [0] * n, [0] * n,
-                                  with_logits=True)[3]
+            want = greedy_step_logits(ref, [x[2][0] for x in live], tokens)
             for i, r in enumerate(fast, start=1):
                 got, logp, finite, logits = r.decode([x[2][i] for x in live], tokens, [GREEDY] * n, [0] * n,
                                                      [0] * n, with_logits=True)
@@ -95,6 +88,24 @@ def r_seq(runner, tokens):
     need = runner.pool.pages_for(tokens)
     runner.pool.reserve(need)
     return PagedSeq(reserved=need)
+
+
+def prefill_and_join(runner, prompt: list[int], room: int):
+    """Prefill `prompt` alone (batch 1) into a sequence with pages reserved for `room` tokens, and join the decode
+    batch with its states. -> (the sequence, the last prompt token's logits [V])."""
+    seq, states = r_seq(runner, room), runner.new_states()
+    logits = runner.forward([seq], states, [prompt], logits_to_keep=1)
+    runner.join(states)
+    return seq, logits[0, -1]
+
+
+def greedy_step_logits(runner, seqs, tokens: list[int]):
+    """One greedy decode step of the batch `seqs` fed `tokens` through the runner's decode path: its static step
+    when it has one, else the general forward. -> logits [n, V]."""
+    n = len(seqs)
+    if runner.decoder is None:
+        return runner.forward(seqs, runner.kda, [[t] for t in tokens])[:, -1]
+    return runner.decode(seqs, tokens, [GREEDY] * n, [0] * n, [0] * n, with_logits=True)[3]
 
 
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
@@ -220,16 +231,11 @@ def test_decode_paths_equal_one_uncached_forward(device, monkeypatch):
         seqs = []
         with torch.inference_mode():
             for b, p in enumerate(prompts):
-                seq, states = r_seq(runner, len(p) + 16), runner.new_states()
-                logits = runner.forward([seq], states, [p], logits_to_keep=1)
-                runner.join(states)
+                seq, logits = prefill_and_join(runner, p, len(p) + 16)
                 seqs.append(seq)
-                assert rel_err(logits[0, -1].float(), truth[b][0]) < tol, (fused, kw, "prefill", b)
+                assert rel_err(logits.float(), truth[b][0]) < tol, (fused, kw, "prefill", b)
             for i, tokens in enumerate(fed):
-                if runner.decoder is None:
-                    logits = runner.forward(seqs, runner.kda, [[t] for t in tokens])[:, -1]
-                else:
-                    logits = runner.decode(seqs, tokens, [GREEDY] * 3, [0] * 3, [0] * 3, with_logits=True)[3]
+                logits = greedy_step_logits(runner, seqs, tokens)
                 for b in range(3):
                     assert rel_err(logits[b].float(), truth[b][i + 1]) < tol, (fused, kw, "step", i, b)
 
