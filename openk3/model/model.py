@@ -69,6 +69,11 @@ def recomputed(fn, *args):
 # device time 0.27 ms at 1 token, 0.46 ms at 257 and 0.78 ms at 512 (batch 1; docs/engine.md "KDA from a cache,
 # token by token")
 RECURRENT_MAX_TOKENS = 1024
+# The reference chain (no fused kernels, or `keep_inputs`) runs a forward from a cache over at most this many new
+# tokens a row token by token too: a speculative verification (num_draft_tokens + 1) then runs the kernel its
+# rollback recomputes with (serve/cache.py `rollback_kda`), and inside the fast path's captured verify step
+# (serve/static.py) no chunked kernel pads 5 tokens to a chunk of 64
+RECURRENT_SEGMENT_TOKENS = 16
 
 
 @torch.compiler.disable
@@ -352,7 +357,7 @@ class KimiDeltaAttention(nn.Module):
         if state is not None:
             state.conv = self.conv_tail(state.conv, qkv)
             state.inputs = {"qkv": qkv, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
-        kda = backend.recurrent if T <= 1 and state is not None else backend.chunk
+        kda = backend.recurrent if state is not None and T <= RECURRENT_SEGMENT_TOKENS else backend.chunk
         args = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True)
         if cu_seqlens is not None:
             # varlen ops take one packed row: [1, B*T, ...]

@@ -198,9 +198,11 @@ class Engine:
                                  f"{model.config.vocab_size}: a draft must share the target's tokenizer")
             if draft.lm_head.weight.device != self.device:
                 raise ValueError(f"draft is on {draft.lm_head.weight.device}, target on {self.device}")
-            # the draft decodes through `_forward` (speculation), so its slots only keep its states in place
-            # its own fusion (an early-exit draft's modules are its own, reading the target's parameter tensors)
-            self.drafter = ModelRunner(draft, config.num_pages, config.page_size, slots=slots, fuse=fuse)
+            # on the fast path a greedy batch's draft steps are its static steps (captured where the draft can
+            # be), a sampled batch's go through `_forward`. Its own fusion (an early-exit draft's modules are its
+            # own, reading the target's parameter tensors).
+            self.drafter = ModelRunner(draft, config.num_pages, config.page_size, slots=slots, fuse=fuse,
+                                       graphs=graphs and capture_problem(draft) is None)
             self.draft, self.draft_pool = self.drafter.model, self.drafter.pool
         # Positions a speculative round may write past the last kept token (its worst case is reserved too).
         self.lookahead = config.num_draft_tokens if draft is not None else 0
@@ -562,10 +564,61 @@ class Engine:
         self.counters["decode_tokens"] += sum(finite)
         self._retire(outputs)
 
+    def _speculate_static(self, outputs: list[StepOutput]) -> None:
+        """`_speculate` on the fast path, for a batch of greedy rows: the k + 1 draft forwards are the draft's
+        static decode steps (captured as CUDA graphs where the draft can be), the verification one static step of
+        the target over k + 1 tokens a row, its KDA rollback one more (static.py `StaticDecoder.verify`,
+        `rollback`); the draft's states go back to a copy taken after the right draft step (`ModelRunner.snapshot`).
+        The same tokens as the general round: greedy acceptance keeps the drafts up to the first that differs from
+        the target's argmax, then the target's own token."""
+        reqs, k = self.running, self.cfg.num_draft_tokens
+        params, zeros = [r.params for r in reqs], [0] * len(reqs)
+        draft_seqs = [r.draft_seq for r in reqs]
+        drafted: list[list[int]] = [[] for _ in reqs]
+        snapshots = []
+        tokens = [r.output[-1] for r in reqs]
+        # k + 1 draft steps: the last one only feeds d_k, so the draft's cache covers every verified token.
+        for i in range(k + 1):
+            tokens, _, _ = self.drafter.decode(draft_seqs, tokens, params, zeros, zeros)
+            if i == k:
+                break
+            snapshots.append(self.drafter.snapshot())  # the draft's states after i + 1 tokens of the round
+            for d, t in zip(drafted, tokens):
+                d.append(t)
+        verify = [[r.output[-1]] + d for r, d in zip(reqs, drafted)]
+        argmax, logprobs, finite = self.target.verify([r.seq for r in reqs], verify)
+        self._fail_rows(reqs, finite, outputs)
+        keep = []
+        for b, r in enumerate(reqs):
+            if not finite[b]:
+                keep.append(k + 1)  # (the row leaves the batch below; its states are not read again)
+                continue
+            emitted = accept_draft(drafted[b], None, None, argmax[b], None)
+            keep.append(self._emit(r, emitted, logprobs[b][:len(emitted)], outputs))
+            self.counters["accepted_tokens"] += len(emitted) - 1
+            self.counters["decode_tokens"] += keep[-1]
+        self._end_round(reqs, keep, k)
+        if min(keep) < k + 1:
+            self.target.rollback_verified(keep)
+            self.drafter.restore(snapshots, keep)
+        self._leave([b for b, ok in enumerate(finite) if not ok])
+        self._retire(outputs)
+
+    def _end_round(self, reqs: list[Request], keep: list[int], k: int) -> None:
+        """A speculative round's counters, and both sequences' lengths back to the round's kept tokens (row b:
+        keep[b] of its k + 1, the pending token + the accepted drafts, fewer if a stop came)."""
+        self.counters["spec_rounds"] += 1
+        self.counters["draft_tokens"] += len(reqs) * k
+        for r, n in zip(reqs, keep):
+            r.seq.length -= k + 1 - n
+            r.draft_seq.length -= k + 1 - n
+
     def _speculate(self, outputs: list[StepOutput]) -> None:
         """One speculative round for the whole batch (module docstring, step 4)."""
+        if self.fast and all(r.params.greedy for r in self.running):
+            self._speculate_static(outputs)
+            return
         reqs, k = self.running, self.cfg.num_draft_tokens
-        B = len(reqs)
         committed = self.target.begin_speculation()
         draft_committed = self.drafter.begin_speculation()
         draft_inputs: list[list[dict]] = [[] for _ in self.drafter.kda]  # per layer, per draft forward
@@ -605,14 +658,9 @@ class Engine:
             lps = logprobs[b, positions, torch.tensor(emitted, device=self.device)].tolist()
             keep.append(self._emit(r, emitted, lps, outputs))
             self.counters["accepted_tokens"] += len(emitted) - 1
-        self.counters["spec_rounds"] += 1
-        self.counters["draft_tokens"] += B * k
         self.counters["decode_tokens"] += sum(keep)
-
-        # Roll both models back to the kept tokens: pending token + the accepted drafts (fewer if a stop came).
-        for r, n in zip(reqs, keep):
-            r.seq.length -= k + 1 - n
-            r.draft_seq.length -= k + 1 - n
+        # Roll both models back to the kept tokens.
+        self._end_round(reqs, keep, k)
         if min(keep) < k + 1:
             keep_B = torch.tensor(keep, device=self.device)
             self.target.rollback(committed, [s.inputs for s in self.target.kda], keep_B)

@@ -108,7 +108,8 @@ class ModelRunner:
     def _view(self) -> None:
         """`kda` for the fast path: the slot pool's states at the batch's slots (rebuilt on join and leave only;
         the objects persist between them, as speculation's kept inputs must)."""
-        self.kda = self.slots.view(torch.tensor(self.rows, dtype=torch.long, device=self.device))
+        self.row_slots = torch.tensor(self.rows, dtype=torch.long, device=self.device)
+        self.kda = self.slots.view(self.row_slots)
 
     def decode(self, seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams], seeds: list[int],
                counters: list[int], with_logits: bool = False) -> tuple:
@@ -118,7 +119,33 @@ class ModelRunner:
             raise RuntimeError("decode is the fast path's step: build the runner with slots=")
         return self.decoder.step(seqs, self.rows, tokens, params, seeds, counters, with_logits)
 
-    # ---- speculative decoding
+    # ---- speculative decoding on the fast path (static steps; greedy rows)
+    def verify(self, seqs: list[PagedSeq], tokens: list[list[int]]) -> tuple:
+        """The fast path's speculative verification for the whole batch (row b = seqs[b], slot rows[b], tokens[b]
+        its pending token and the drafted ones); see `StaticDecoder.verify`, then `rollback_verified`."""
+        if self.decoder is None:
+            raise RuntimeError("verify is the fast path's step: build the runner with slots=")
+        return self.decoder.verify(seqs, self.rows, tokens)
+
+    def rollback_verified(self, keep: list[int]) -> None:
+        """After `verify`: row b keeps the KDA state of its first keep[b] verified tokens (`StaticDecoder.rollback`)."""
+        self.decoder.rollback(keep)
+
+    def snapshot(self) -> tuple[Tensor, Tensor]:
+        """Fast path: a copy of the batch's KDA states (`SlotPool.snapshot`), e.g. a draft's after one draft step."""
+        return self.slots.snapshot(self.row_slots)
+
+    def restore(self, snapshots: list[tuple[Tensor, Tensor]], keep: list[int]) -> None:
+        """Fast path: row b's KDA states back to snapshots[keep[b] - 1] wherever keep[b] <= len(snapshots) (a
+        draft's states after its first keep[b] tokens of a speculative round; the other rows stay)."""
+        for n in sorted(set(keep)):
+            if n > len(snapshots):
+                continue
+            batch = [b for b, x in enumerate(keep) if x == n]
+            self.slots.restore(torch.tensor([self.rows[b] for b in batch], dtype=torch.long, device=self.device),
+                               snapshots[n - 1], torch.tensor(batch, dtype=torch.long, device=self.device))
+
+    # ---- speculative decoding (the general path; and the fast path's sampled rows)
     def begin_speculation(self) -> list[KDAState]:
         """The committed states; this runner's forwards ask the model for the per-token KDA inputs from now on (for
         `rollback`). The committed states are the tensors the layers hold now; forwards replace them, so no copy is

@@ -35,7 +35,7 @@ from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import select_kda_backend, select_moe_backend
-from openk3.serve.cache import PagedSeq, PagePool
+from openk3.serve.cache import PagedSeq, PagePool, rollback_kda
 from openk3.serve.sampler import SamplingParams, sample_batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -127,6 +127,20 @@ class SlotPool:
         return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c)
                 for i, r, c in zip(rows.unbind(0), rec, conv)]
 
+    def snapshot(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """A copy of every layer's rows at `slots` [B]: (recurrent [L * B, H, K, K], conv [L * B, W-1, 3*H*K]), layer
+        by layer (a speculative draft's states after one of its steps, for `restore`)."""
+        rows = (self.layer_rows + slots[None, :]).view(-1)
+        return self.recurrent_all.index_select(0, rows), self.conv_all.index_select(0, rows)
+
+    def restore(self, slots: Tensor, snapshot: tuple[Tensor, Tensor], batch_rows: Tensor) -> None:
+        """Write rows `batch_rows` of a `snapshot` (taken of a batch of B rows) back to their slots `slots`
+        (len(batch_rows) of them), every layer."""
+        L = self.layer_rows.shape[0]
+        rows = (self.layer_rows + slots[None, :]).view(-1)
+        for pool, snap in zip((self.recurrent_all, self.conv_all), snapshot):
+            pool.index_copy_(0, rows, snap.view(L, -1, *snap.shape[1:])[:, batch_rows].flatten(0, 1))
+
     def clear_scratch(self) -> None:
         """Slot 0 of every layer back to the zero state, after a step whose padding rows wrote there."""
         self.recurrent_all[::self.size + 1].zero_()
@@ -134,37 +148,41 @@ class SlotPool:
 
 
 class StaticMLA:
-    """One MLA layer's paged cache for a static decode step (the `MLAState.append` protocol, T = 1)."""
+    """One MLA layer's paged cache for a static step (the `MLAState.append` protocol, T tokens a row)."""
 
     def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", mask: Tensor):
         self.pool, self.index, self.buf, self.mask = pool, mla_index, buf, mask
 
     def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
-        """Write each row's new latent at its (page, offset), then read every row's pages through the table.
-        -> latents [B, P*page_size, C] and the mask [B, 1, 1, P*page_size] (key position <= the row's length).
-        NOTE: padding rows write their latent into the zero page (offset 0), unmasked: real rows read the zero page
+        """Write each row's new latents at their (page, offset), then read every row's pages through the table.
+        -> latents [B, P*page_size, C] and the mask [B, 1, T, P*page_size] (`StepBuffers.mask`).
+        NOTE: padding rows write their latents into the zero page (offset 0), unmasked: real rows read the zero page
         only where their mask is False, where the softmax weight is exactly 0 and 0 * a finite latent adds nothing;
-        `StaticDecoder._run` zeroes the page again after the forward, so between steps it is zero (cache.py)."""
+        `StaticDecoder` zeroes the page again after the forward, so between steps it is zero (cache.py)."""
         buf, mla = self.buf, self.pool.mla
-        mla[buf.write_page, self.index, buf.write_offset] = lat_BTC[:, 0].to(mla.dtype)
+        mla[buf.write_page, self.index, buf.write_offset] = lat_BTC.to(mla.dtype)
         return mla[buf.table, self.index].flatten(1, 2), self.mask
 
 
 class StepBuffers:
-    """The static inputs of one (batch, pages) bucket. Integer inputs live in one [8, B] tensor and floats in one
-    [2, B] tensor, so the host fills them with three copies (those two and the page table)."""
+    """The static inputs of one (batch, pages, tokens) bucket: B rows of T new tokens each (T = 1 a decode step,
+    T = k + 1 a speculative verification). The integer inputs live in one tensor [3 T + 6, B] and the floats in
+    one [2, B], so the host fills them with three copies (those two and the page table)."""
 
-    INTS = ("ids", "slots", "lengths", "write_page", "write_offset", "top_k", "seed", "counter")
+    PER_TOKEN = ("ids", "write_page", "write_offset")  # T rows each, read as [B, T] views
+    PER_ROW = ("slots", "lengths", "top_k", "seed", "counter", "keep")
 
-    def __init__(self, B: int, P: int, page_size: int, device):
-        self.B, self.P = B, P
-        self.ints = torch.zeros(len(self.INTS), B, dtype=torch.long, device=device)
+    def __init__(self, B: int, P: int, page_size: int, device, T: int = 1):
+        self.B, self.P, self.T = B, P, T
+        self.ints = torch.zeros(len(self.PER_TOKEN) * T + len(self.PER_ROW), B, dtype=torch.long, device=device)
         self.floats = torch.zeros(2, B, dtype=torch.float64, device=device)  # temperature, top_p
         self.table = torch.zeros(B, P, dtype=torch.long, device=device)
         self.key_pos = torch.arange(P * page_size, device=device)
-        # named views of the rows of `ints` (a padding row: all zero)
-        (self.ids, self.slots, self.lengths, self.write_page, self.write_offset, self.top_k, self.seed,
-         self.counter) = self.ints
+        # named views of `ints` (a padding row: all zero)
+        per_token = self.ints[:len(self.PER_TOKEN) * T].view(len(self.PER_TOKEN), T, B).transpose(1, 2)
+        self.ids, self.write_page, self.write_offset = per_token.unbind(0)  # [B, T] each
+        (self.slots, self.lengths, self.top_k, self.seed, self.counter,
+         self.keep) = self.ints[len(self.PER_TOKEN) * T:]  # `lengths`: each row's cached tokens before the step
         self.temperature, self.top_p = self.floats
 
     def clear(self) -> None:
@@ -172,6 +190,38 @@ class StepBuffers:
         self.ints.zero_()
         self.floats.zero_()
         self.table.zero_()
+
+    def mask(self) -> Tensor:
+        """[B, 1, T, P * page_size] bool: new token t of a row (at position length + t) sees keys 0..length + t."""
+        pos = self.lengths[:, None]  # [B, T]: the new tokens' positions (a decode step: no op for T = 1)
+        if self.T > 1:
+            pos = pos + torch.arange(self.T, device=pos.device)
+        return (self.key_pos[None, None, :] <= pos[:, :, None])[:, None]
+
+    def fill(self, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]], page_size: int,
+             per_row: dict[str, list] | None = None, floats: list[list[float]] | None = None) -> None:
+        """Copy a step's inputs in: row b appends tokens[b] (T of them) after its seqs[b].length cached tokens,
+        its KDA state in slot slots[b]; `per_row` the other PER_ROW inputs by name (missing ones 0), `floats`
+        [temperatures, top_ps]. Rows past len(seqs) pad the bucket."""
+        n, T, ps = len(seqs), self.T, page_size
+        ints = torch.zeros(self.ints.shape, dtype=torch.long)
+        pos = [[s.length + t for t in range(T)] for s in seqs]
+        pages = [[s.pages[p // ps] for p in row] for s, row in zip(seqs, pos)]
+        per_token = torch.tensor([tokens, pages, [[p % ps for p in row] for row in pos]])  # [3, n, T]
+        ints[:len(self.PER_TOKEN) * T, :n] = per_token.transpose(1, 2).reshape(-1, n)
+        rows = dict(per_row or {}, slots=slots, lengths=[s.length for s in seqs])
+        for i, name in enumerate(self.PER_ROW):
+            if name in rows:
+                ints[len(self.PER_TOKEN) * T + i, :n] = torch.tensor(rows[name])
+        table = torch.zeros(self.B, self.P, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            table[b, :len(s.pages)] = torch.tensor(s.pages)
+        self.ints.copy_(ints)
+        self.table.copy_(table)
+        if floats is not None:
+            f = torch.zeros(2, self.B, dtype=torch.float64)
+            f[:, :n] = torch.tensor(floats, dtype=torch.float64)
+            self.floats.copy_(f)
 
 
 class StaticDecoder:
@@ -188,8 +238,10 @@ class StaticDecoder:
             raise ValueError(f"cannot capture the decode step as CUDA graphs: {problem}")
         self.graphs = graphs
         self.layer_types = model.config.layer_types
-        self.buffers: dict[tuple[int, int], StepBuffers] = {}
-        self.captured: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
+        self.captured: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.rollbacks: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}  # per verify bucket
+        self._verified: tuple | None = None  # the last `verify`'s (bucket key, buffers, saved), for `rollback`
         self.mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
         # fla's decode kernel updates the pool's recurrent rows in place (model.py `forward_fused` with
@@ -206,25 +258,32 @@ class StaticDecoder:
         model: a graph replays the kernels Python chose at capture, and `Experts.on_mxfp4_grid` (model.py) chose
         there whether the expert weights are fake-quantised at all (new weights off the grid must be again)."""
         self.captured.clear()
+        self.rollbacks.clear()
 
-    # ---- the step as the device runs it (captured or eager)
-    def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
-        """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
-        the fp32 logits [B, V])."""
-        mask = (buf.key_pos[None, :] <= buf.lengths[:, None])[:, None, None]
-        kda = iter(self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place))
-        layers, mla_index = [], 0
+    # ---- the steps as the device runs them (captured or eager)
+    def _cache(self, buf: StepBuffers, kda: list[SlotKDAState]) -> K3Cache:
+        """The model's cache for a step: the KDA layers' slot states in order, a `StaticMLA` per MLA layer."""
+        mask, kda, layers, mla_index = buf.mask(), iter(kda), [], 0
         for kind in self.layer_types:
             if kind == "kda":
                 layers.append(next(kda))
             else:
                 layers.append(StaticMLA(self.pool, mla_index, buf, mask))
                 mla_index += 1
-        logits = self.model(buf.ids[:, None], cache=K3Cache(layers), validate=False).logits[:, -1].float()
-        # the padding rows wrote into the scratch slots and the zero page: one reset of each per step, not a mask of
-        # the padding rows' writes per layer (docs/engine.md "Fast decode path")
+        return K3Cache(layers)
+
+    def _reset_padding(self) -> None:
+        """The padding rows wrote into the scratch slots and the zero page: one reset of each per step, not a mask of
+        the padding rows' writes per layer (docs/engine.md "Fast decode path")."""
         self.slots.clear_scratch()
         self.pool.mla[0].zero_()
+
+    def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
+        """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
+        the fp32 logits [B, V])."""
+        kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place)
+        logits = self.model(buf.ids, cache=self._cache(buf, kda), validate=False).logits[:, -1].float()
+        self._reset_padding()
         top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast for it
         tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, top_p, buf.seed, buf.counter,
                                         greedy_only=greedy_only)
@@ -233,23 +292,75 @@ class StaticDecoder:
         out = torch.empty(3, logits.shape[0], dtype=torch.float64, device=logits.device)
         return torch.stack([tokens, logprobs, finite], out=out), logits
 
-    def _capture(self, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
-        """Warm up on a side stream (lazy inits, Triton autotuning), then capture one step. Both run on a cleared
-        buffer (padding rows only), so they write into the scratch slot and the zero page only (and zero them)."""
-        buf.clear()
+    def _verify_run(self, buf: StepBuffers, greedy_only: bool = True) -> tuple[Tensor, Tensor, tuple]:
+        """Model forward over T tokens a row (a speculative verification), keeping what `_rollback_run` needs ->
+        ([3, B, T] float64: the greedy token after each position, its logprob, whether the row's logits were all
+        finite; the fp32 logits [B, T, V]; (the layers' slot states, their committed states, their per-token
+        inputs)). The KDA layers run the reference chain (`keep_inputs`), from every layer's rows gathered in one op:
+        those gathered rows are the committed states."""
+        kda = self.slots.view(buf.slots, gather=True)
+        committed = [KDAState(s.recurrent, s.conv) for s in kda]
+        logits = self.model(buf.ids, cache=self._cache(buf, kda), keep_inputs=True, validate=False).logits.float()
+        self._reset_padding()
+        tokens = logits.argmax(-1)
+        logprobs = logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)
+        finite = torch.isfinite(logits).flatten(1).all(-1, keepdim=True).expand_as(tokens)
+        out = torch.empty(3, *tokens.shape, dtype=torch.float64, device=logits.device)
+        return torch.stack([tokens, logprobs, finite], out=out), logits, (kda, committed, [s.inputs for s in kda])
+
+    def _rollback_run(self, buf: StepBuffers, saved: tuple) -> None:
+        """After `_verify_run`: every layer's rows back to their committed state plus the first `buf.keep[b]` tokens
+        of the verified ones (cache.py `rollback_kda`, written into the pool by row)."""
+        for state, committed, inputs in zip(*saved):
+            rollback_kda(state, committed, inputs, buf.keep)
+        self.slots.clear_scratch()
+
+    def _capture(self, run, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        """Warm up `run(buf, greedy_only)` on a side stream (lazy inits, Triton autotuning), then capture it once.
+        -> the graph and what the captured call returned (its outputs, rewritten in place by every replay)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.run(buf, greedy_only)
+                run(buf, greedy_only)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            out = self.run(buf, greedy_only)
+            out = run(buf, greedy_only)
         self.counters["graph_captures"] += 1
         return graph, out
 
-    # ---- the step as the engine calls it
+    # ---- the steps as the engine calls them
+    def _launch(self, run, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]], greedy_only: bool,
+                per_row: dict[str, list] | None = None, floats: list[list[float]] | None = None):
+        """Run `run` (`_run` or `_verify_run`) for a batch whose row b appends tokens[b] to seqs[b] (its KDA state in
+        slot slots[b]): grow the page tables, pick the bucket, capture it the first time (graphs), copy the inputs
+        in, replay (or run eagerly). -> (the bucket's key, its buffers, what `run` returned). The lengths are left to
+        the caller, which advances them after its read of the outputs."""
+        T = len(tokens[0])
+        for s in seqs:
+            s.grow(self.pool, s.length + T)
+        B, P = batch_bucket(len(seqs)), page_bucket(max(len(s.pages) for s in seqs))
+        buf = self.buffers.get((B, P, T))
+        if buf is None:
+            buf = self.buffers[(B, P, T)] = StepBuffers(B, P, self.pool.page_size, self.device, T)
+        key = (B, P, T, greedy_only)
+        # NOTE: the fused projections are refreshed here, before capture and replay, never inside the graph or the
+        # compiled step: a replay reads the stacked weights at their captured addresses, which refresh writes in place
+        with applied(self.fused):
+            if self.graphs and key not in self.captured:
+                buf.clear()  # warmup and capture run on padding rows only: they write the scratch slot and zero page
+                self.captured[key] = self._capture(run, buf, greedy_only)
+            buf.fill(seqs, slots, tokens, self.pool.page_size, per_row, floats)
+            if self.graphs:
+                graph, result = self.captured[key]
+                graph.replay()
+                self.counters["graph_replays"] += 1
+            else:
+                result = run(buf, greedy_only)
+        self.counters["static_steps"] += 1
+        return key, buf, result
+
     def step(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
              seeds: list[int], counters: list[int], with_logits: bool = False) -> tuple:
         """Decode one token for every row: row b appends tokens[b] to seqs[b] (its KDA state in slot slots[b]) and
@@ -257,45 +368,46 @@ class StaticDecoder:
         Grows the page tables and advances the lengths. -> (tokens, fp32 logprobs, whether the row's logits were
         all finite); a row that was not finite got a meaningless token. `with_logits` adds the fp32 logits [n, V]
         (a copy, on the device) as a fourth element, for tests."""
-        ps = self.pool.page_size
-        for s in seqs:
-            s.grow(self.pool, s.length + 1)
         n = len(seqs)
-        B, P = batch_bucket(n), page_bucket(max(len(s.pages) for s in seqs))
-        buf = self.buffers.get((B, P))
-        if buf is None:
-            buf = self.buffers[(B, P)] = StepBuffers(B, P, ps, self.device)
-        greedy_only = all(p.greedy for p in params)
-        key = (B, P, greedy_only)
-        # NOTE: the fused projections are refreshed here, before capture and replay, never inside the graph or the
-        # compiled step: a replay reads the stacked weights at their captured addresses, which refresh writes in place
-        with applied(self.fused):
-            if self.graphs and key not in self.captured:
-                self.captured[key] = self._capture(buf, greedy_only)
-
-            ints = torch.zeros(len(StepBuffers.INTS), B, dtype=torch.long)
-            ints[:, :n] = torch.tensor([
-                tokens, slots, [s.length for s in seqs], [s.pages[s.length // ps] for s in seqs],
-                [s.length % ps for s in seqs], [p.top_k for p in params], seeds, counters])
-            floats = torch.zeros(2, B, dtype=torch.float64)
-            floats[:, :n] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
-                                         dtype=torch.float64)
-            table = torch.zeros(B, P, dtype=torch.long)
-            for b, s in enumerate(seqs):
-                table[b, :len(s.pages)] = torch.tensor(s.pages)
-            buf.ints.copy_(ints)
-            buf.floats.copy_(floats)
-            buf.table.copy_(table)
-
-            if self.graphs:
-                graph, (out, logits) = self.captured[key]
-                graph.replay()
-                self.counters["graph_replays"] += 1
-            else:
-                out, logits = self.run(buf, greedy_only)
-        self.counters["static_steps"] += 1
+        per_row = dict(top_k=[p.top_k for p in params], seed=seeds, counter=counters)
+        floats = [[p.temperature for p in params], [p.top_p for p in params]]
+        _, _, (out, logits) = self._launch(self.run, seqs, slots, [[t] for t in tokens],
+                                           all(p.greedy for p in params), per_row, floats)
         result = out[:, :n].cpu().tolist()  # the step's one host sync
         for s in seqs:
             s.length += 1
         sampled = [int(t) for t in result[0]], result[1], [f > 0 for f in result[2]]
         return (*sampled, logits[:n].clone()) if with_logits else sampled
+
+    def verify(self, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]],
+               with_logits: bool = False) -> tuple:
+        """A greedy speculative verification: row b appends tokens[b] (its pending token, then the drafted ones; T
+        each) to seqs[b]. Grows the page tables and advances the lengths by T; the KDA states then hold all T
+        tokens until `rollback`. -> (per row the greedy token after each of its T positions, their fp32
+        logprobs, whether the row's logits were all finite), with one host sync; `with_logits` adds the fp32
+        logits [n, T, V] (a copy, on the device), for tests."""
+        n, T = len(seqs), len(tokens[0])
+        key, buf, (out, logits, saved) = self._launch(self._verify_run, seqs, slots, tokens, True)
+        self._verified = (key, buf, saved)
+        result = out[:, :n].cpu().tolist()  # the verification's one host sync
+        for s in seqs:
+            s.length += T
+        verified = [[int(t) for t in row] for row in result[0]], result[1], [row[0] > 0 for row in result[2]]
+        return (*verified, logits[:n].clone()) if with_logits else verified
+
+    def rollback(self, keep: list[int]) -> None:
+        """After `verify`: row b's KDA states back to its state before the verification plus its first keep[b]
+        tokens (the engine rolls the lengths back; the MLA latents past a row's length are never read). Captured
+        per bucket the first time (its warmup runs the same rollback: it writes what it reads, so running it more
+        than once changes nothing)."""
+        key, buf, saved = self._verified
+        rows = torch.zeros(buf.B, dtype=torch.long)
+        rows[:len(keep)] = torch.tensor(keep)
+        buf.keep.copy_(rows)
+        if not self.graphs:
+            self._rollback_run(buf, saved)
+            return
+        if key not in self.rollbacks:
+            self.rollbacks[key], _ = self._capture(lambda b, _: self._rollback_run(b, saved), buf, True)
+        self.rollbacks[key].replay()
+        self.counters["graph_replays"] += 1

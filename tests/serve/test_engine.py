@@ -272,6 +272,9 @@ def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool =
             assert max(abs(a - b) for a, b in zip(c.logprobs, s.logprobs)) < tol
     for e in (cached, spec):
         assert e.pool.reserved == 0 and not e.running
+    if fast and spec.counters["spec_rounds"]:  # greedy rounds on the fast path: static verifications and draft steps
+        assert any(T == k + 1 for (_, _, T) in spec.target.decoder.buffers)
+        assert spec.drafter.decoder.counters["static_steps"] > 0
     return [e.decode_path for e in (cold, cached, spec)]
 
 

@@ -467,3 +467,103 @@ def test_slot_states_without_the_recurrent_gather_read_the_pool_and_go_stale_aft
         assert rec is pool.recurrent_all and torch.equal(rec[idx], pool.recurrent[layer][slots])
         rec[idx[0]] += 1.0  # what the kernel does, in place
         assert torch.equal(state.recurrent[0], pool.recurrent[layer][3])  # read back from the pool, not the stale gather
+
+
+# ------------------------------------------------------------------------------------------ speculative verification
+
+def verify_both_ways(model, keep: list[int], device: str = "cpu", graphs: bool = False) -> dict:
+    """Three ragged rows prefilled and joined on a general runner and a fast one; both verify the same k + 1 = 4
+    tokens a row (the general way: a forward keeping the KDA inputs, then `rollback`; the fast way: `verify`, then
+    `rollback_verified`), keep `keep[b]` of them, and take one greedy decode step. -> the logits of both ways."""
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15], [1, 2, 3]]
+    tokens = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+    T = len(tokens[0])
+    out = {}
+    for name, kw in (("general", {}), ("fast", dict(slots=8, graphs=graphs))):
+        runner = ModelRunner(model, num_pages=200, page_size=4, **kw)
+        with torch.inference_mode():
+            seqs = [prefill_and_join(runner, p, len(p) + 16)[0] for p in prompts]
+            if name == "general":
+                committed = runner.begin_speculation()
+                logits = runner.forward(seqs, runner.kda, tokens)
+                runner.rollback(committed, [s.inputs for s in runner.kda], torch.tensor(keep, device=device))
+                runner.end_speculation()
+            else:
+                argmax, logprobs, finite, logits = runner.decoder.verify(seqs, runner.rows, tokens, with_logits=True)
+                assert argmax == logits.argmax(-1).tolist() and all(finite)
+                assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64),
+                                      torch.log_softmax(logits.double(), -1).gather(-1, logits.argmax(-1)[..., None])[..., 0].cpu(),
+                                      atol=1e-5)
+                runner.rollback_verified(keep)
+            for s, n in zip(seqs, keep):
+                s.length -= T - n
+            after = greedy_step_logits(runner, seqs, [tokens[b][n - 1] for b, n in enumerate(keep)])
+        out[name] = (logits, after, runner)
+    return out
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_static_verification_and_rollback_equal_the_general_round(family):
+    """The fast path's verification over k + 1 tokens a row (one static step) gives the general forward's logits, and
+    its rollback (one more) leaves every row where the general rollback does: the next decode step's logits agree,
+    for rows that keep 1, some and all of their tokens (fp32)."""
+    both = verify_both_ways(small_model(family, seed=3), keep=[1, 3, 4])
+    (gen_logits, gen_after, _), (fast_logits, fast_after, _) = both["general"], both["fast"]
+    assert rel_err(fast_logits, gen_logits) < 1e-5
+    assert rel_err(fast_after, gen_after) < 1e-5
+
+
+def test_draft_snapshots_restore_rows_to_their_own_step():
+    """`ModelRunner.snapshot` / `restore`: after three static steps, rows restored to the snapshots of different steps
+    equal a runner that only took that many steps (its next step's logits)."""
+    model = small_model("k3", seed=5)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    fed = [[1, 2], [3, 4], [5, 6]]
+    keep = [1, 3]  # row 0 back to after step 1, row 1 keeps all three steps
+
+    def run(steps: int, restore: bool):
+        runner = ModelRunner(model, num_pages=100, page_size=4, slots=4)
+        with torch.inference_mode():
+            seqs = [prefill_and_join(runner, p, len(p) + 8)[0] for p in prompts]
+            snaps = []
+            for tokens in fed[:steps]:
+                runner.decode(seqs, tokens, [GREEDY] * 2, [0, 0], [0, 0])
+                snaps.append(runner.snapshot())
+            if restore:
+                runner.restore(snaps[:2], keep)
+                for s, n in zip(seqs, keep):
+                    s.length -= steps - n
+            return greedy_step_logits(runner, seqs, [7, 8])
+
+    restored = run(3, restore=True)
+    assert rel_err(restored[0], run(1, restore=False)[0]) < 1e-6
+    assert rel_err(restored[1], run(3, restore=False)[1]) < 1e-6
+    assert rel_err(restored[0], run(3, restore=False)[0]) > 1e-3  # the restore did something
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_the_verification_and_rollback_have_no_host_sync(family):
+    """Like the decode step: the verification and its rollback run no op that reads a device value back, so both
+    can be captured as CUDA graphs."""
+    both = verify_both_ways(small_model(family, seed=4), keep=[2, 1, 4])
+    decoder = both["fast"][2].decoder
+    (buf,) = [b for (B, P, T), b in decoder.buffers.items() if T > 1]
+    with torch.inference_mode(), OpNames() as ops:
+        _, _, saved = decoder._verify_run(buf)
+        decoder._rollback_run(buf, saved)
+    bad = sorted({n for n in ops.names if n in SYNCING_OPS})
+    assert not bad, bad
+    assert len(ops.names) > 100
+
+
+@cuda
+@pytest.mark.gpu
+def test_captured_verification_and_rollback_equal_the_general_round():
+    """On CUDA with CUDA graphs (a dense-FFN model, fp32): the captured verification and rollback agree with the
+    general round (fla's kernels: TF32 dot products, so 2e-2 as in the uncached-forward test)."""
+    both = verify_both_ways(small_model("k3", seed=3, dense=True).cuda(), keep=[1, 3, 4], device="cuda",
+                            graphs=True)
+    (gen_logits, gen_after, _), (fast_logits, fast_after, runner) = both["general"], both["fast"]
+    assert rel_err(fast_logits, gen_logits) < 2e-2
+    assert rel_err(fast_after, gen_after) < 2e-2
+    assert runner.decoder.counters["graph_replays"] >= 3  # the verification, the rollback, the decode step
