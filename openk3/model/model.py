@@ -380,8 +380,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None,
                       recurrent: bool = False) -> Tensor:
-        """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU, the
-        decay gate inside chunk_kda, and the gated output norm; with `state` (not with cu_seqlens) the conv starts
+        """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU (at a
+        decode step's one token, a few PyTorch ops instead: `conv_silu`), the decay gate inside chunk_kda, and the
+        gated output norm; with `state` (not with cu_seqlens) the conv starts
         from its tail and the recurrence from its state, and both are updated as `forward` updates them (inputs
         None). `recurrent` (with a state, forward only): fla's token-by-token kernel in place of chunk_kda, with
         beta's sigmoid inside it too; a decode step of the engine's slot pool (T = 1) updates the pool's rows where
