@@ -137,8 +137,8 @@ def expert_order(expert_S: Tensor, E: int) -> tuple[Tensor, Tensor]:
     """Token slots grouped by expert: order_S [S] int64 (expert 0's slots in slot order, then expert 1's, ...) and
     offs_E [E] int32, the end row of every expert's range (int32 as _grouped_mm takes it). Exactly a stable sort of
     the ids expert_S [S] and a searchsorted over the sorted ids, for any ids (out-of-range ones included).
-    NOTE: no host sync on either path (not bincount + cumsum: CUDA's bincount reads the max id back to the host),
-    which CUDA-graph capture of the engine's decode step forbids (serve/static.py)."""
+    NOTE: neither path syncs with the host, which CUDA-graph capture of the engine's decode step forbids
+    (serve/static.py); hence no bincount + cumsum (CUDA's bincount reads the max id back to the host)."""
     S = expert_S.shape[0]
     experts_E = torch.arange(E, device=expert_S.device, dtype=expert_S.dtype)
     if S > COUNT_ORDER_MAX_SLOTS:
@@ -147,7 +147,7 @@ def expert_order(expert_S: Tensor, E: int) -> tuple[Tensor, Tensor]:
     slot_S = torch.arange(S, device=expert_S.device)
     # (expert, slot) as one number, ordered as the stable sort orders slots; a slot's row in the sorted order is
     # how many slots come before it, an expert's end row how many ids are <= its own
-    key_S = expert_S * S + slot_S
+    key_S = torch.add(slot_S, expert_S, alpha=S)  # expert * S + slot, in one op
     row_S = (key_S[None, :] < key_S[:, None]).sum(1)
     order_S = torch.empty_like(slot_S).scatter_(0, row_S, slot_S)
     return order_S, (expert_S[None, :] <= experts_E[:, None]).sum(1, dtype=torch.int32)
@@ -165,9 +165,10 @@ def moe_experts_grouped(
 ) -> Tensor:
     """Same as moe_experts_loop, with one ``torch._grouped_mm`` per weight.
 
-    The T*K token slots are put in expert order (`expert_order`: a stable sort, or counting for few slots) so
-    each expert's tokens are one contiguous row range; ``offs`` holds the end row of every expert's range (equal neighbours = an expert with
-    no tokens). Outputs are scattered back to their tokens with an fp32 index_add.
+    The T*K token slots are put in expert order (`expert_order`: a stable sort, or counting for few slots)
+    so each expert's tokens are one contiguous row range; ``offs`` holds the end row of every expert's
+    range (equal neighbours = an expert with no tokens). Outputs are scattered back to their tokens with
+    an fp32 index_add.
     Raises ValueError if grouped_mm_supported says no, or if D or F breaks the 16-byte rule.
     NOTE: expert ids are not range-checked here (that would sync with the GPU), and an id outside
     0..E-1 raises nothing: a negative id joins expert 0's rows, an id >= E no expert's (its
