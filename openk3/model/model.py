@@ -8,8 +8,8 @@ Parameter names are the checkpoint's (HF) names without the `language_model.` pr
 experts, which live stacked as `experts.w1 [E, F, D]`; `checkpoint.py` holds the one name-mapping table.
 
 Precision (STYLE rule 7): the residual stream (AttnRes prefix and bank) is fp32; RMSNorm, router scores,
-KDA gates, conv, recurrent state, AttnRes mixing and the loss compute in fp32. Matmuls run in the
-parameters' dtype.
+KDA gates, conv, recurrent state, AttnRes mixing, attention scores with their softmax and the loss compute
+in fp32. Matmuls run in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -208,6 +208,15 @@ def causal_conv_silu(x_BTC: Tensor, w_C1W: Tensor, pos_BT: Tensor | None, tail_B
     return F.silu(y)
 
 
+def bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a [N, m, k] @ b [N, k, n] -> [N, m, n] fp32, accumulated in fp32. On CUDA half-precision operands stay as
+    they are (tensor cores; torch.bmm's out_dtype); elsewhere, where out_dtype has no kernel, both are upcast: the same
+    fp32 accumulation (a product of two bf16 or fp16 numbers is exact in fp32)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
 def document_causal_mask(cu_seqlens: Tensor, B: int, T: int) -> Tensor:
     """[B, 1, T, T] bool: causal within each packed document (cu_seqlens over the flattened B*T tokens)."""
     pos = segment_positions(cu_seqlens.long(), B * T).view(B, T)
@@ -376,8 +385,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None,
                       recurrent: bool = False) -> Tensor:
-        """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU, the
-        decay gate inside chunk_kda, and the gated output norm; with `state` (not with cu_seqlens) the conv starts
+        """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU (at a
+        decode step's one token, a few PyTorch ops instead: `conv_silu`), the decay gate inside chunk_kda, and the
+        gated output norm; with `state` (not with cu_seqlens) the conv starts
         from its tail and the recurrence from its state, and both are updated as `forward` updates them (inputs
         None). `recurrent` (with a state, forward only): fla's token-by-token kernel in place of chunk_kda, with
         beta's sigmoid inside it too; a decode step of the engine's slot pool (T = 1) updates the pool's rows where
@@ -514,17 +524,27 @@ class GatedMLA(nn.Module):
 
     def attend_absorbed(self, q: Tensor, lat: Tensor, mask: Tensor | None) -> Tensor:
         """Attend in latent space (the decode form): fold kv_b's k part into q_nope, score against the latent
-        cache, then apply kv_b's v part. Same math as `attend_expanded`, computed in fp32."""
-        w = self.kv_b_proj.weight.float().view(self.H, self.nope + self.vd, self.r)
+        cache, then apply kv_b's v part. q [B,T,H,qd], lat [B,S,r+rope], mask [B or 1, 1, T, S] -> [B,T,H,vd].
+        Same math as `attend_expanded`. The matmuls run in kv_b's dtype (q and lat are cast to it), the scores,
+        mask and softmax in fp32."""
+        # NOTE: a flash-attention kernel's precision (issue #12): half-precision operands with fp32 accumulation,
+        # the scores fp32 through the mask and softmax, p rounded to the operands' dtype for p @ c. Casting kv_b's
+        # weight and the whole latent cache to fp32 for fp32 matmuls took ~0.8 ms of a 6.4 ms decode step on the
+        # H200 (kimi-linear-1.5b, batch 64). An fp32 model computes in fp32 throughout.
+        B, T, H, _ = q.shape
+        dtype = self.kv_b_proj.weight.dtype
+        w = self.kv_b_proj.weight.view(H, self.nope + self.vd, self.r)
         w_k, w_v = w[:, :self.nope], w[:, self.nope:]  # [H, nope, r], [H, vd, r]
-        q_nope, q_pe = q.float().split([self.nope, self.rope], dim=-1)
-        c, k_pe = lat.float().split([self.r, self.rope], dim=-1)
+        q_nope, q_pe = q.to(dtype).split([self.nope, self.rope], dim=-1)
+        lat = lat.to(dtype)
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_k)
-        scores = (torch.einsum("bthr,bsr->bhts", q_lat, c) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)) * self.scale
+        # lat is [c | k_pe]: one product against [q_lat | q_pe] gives q_lat . c + q_pe . k_pe
+        q_cat = torch.cat([q_lat, q_pe], dim=-1).view(B, T * H, self.r + self.rope)
+        scores = bmm_fp32(q_cat, lat.transpose(1, 2)).view(B, T, H, -1) * self.scale
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        p = scores.softmax(-1)
-        o_lat = torch.einsum("bhts,bsr->bthr", p, c)
+            scores = scores.masked_fill(~mask.transpose(1, 2), float("-inf"))
+        p = scores.softmax(-1).to(dtype).view(B, T * H, -1)
+        o_lat = torch.bmm(p, lat[..., :self.r]).view(B, T, H, self.r)
         return torch.einsum("bthr,hvr->bthv", o_lat, w_v).to(q.dtype)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, state: MLAState | None = None,

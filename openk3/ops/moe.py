@@ -126,6 +126,33 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> tupl
     return False, f"torch._grouped_mm is not known to run on device type {device.type!r}"
 
 
+# At most this many token slots (S = T*K) are put in expert order by counting rather than by torch.sort. Counting
+# compares every pair of slots ([S, S] bools, 4 MiB at the limit) in a few elementwise kernels; at a decode step of
+# kimi-linear-1.5b (batch 64, 256 slots) on the H200 the sort's radix kernel alone took 26 us a MoE layer (issue
+# #12). Beyond it (training, prefill chunks) the pairs would grow as S^2, so the sort stays.
+COUNT_ORDER_MAX_SLOTS = 2048
+
+
+def expert_order(expert_S: Tensor, E: int) -> tuple[Tensor, Tensor]:
+    """Token slots grouped by expert: order_S [S] int64 (expert 0's slots in slot order, then expert 1's, ...) and
+    offs_E [E] int32, the end row of every expert's range (int32 as _grouped_mm takes it). Exactly a stable sort of
+    the ids expert_S [S] and a searchsorted over the sorted ids, for any ids (out-of-range ones included).
+    NOTE: neither path syncs with the host, which CUDA-graph capture of the engine's decode step forbids
+    (serve/static.py); hence no bincount + cumsum (CUDA's bincount reads the max id back to the host)."""
+    S = expert_S.shape[0]
+    experts_E = torch.arange(E, device=expert_S.device, dtype=expert_S.dtype)
+    if S > COUNT_ORDER_MAX_SLOTS:
+        sorted_S, order_S = torch.sort(expert_S, stable=True)
+        return order_S, torch.searchsorted(sorted_S, experts_E, right=True, out_int32=True)
+    slot_S = torch.arange(S, device=expert_S.device)
+    # (expert, slot) as one number, ordered as the stable sort orders slots; a slot's row in the sorted order is
+    # how many slots come before it, an expert's end row how many ids are <= its own
+    key_S = torch.add(slot_S, expert_S, alpha=S)  # expert * S + slot, in one op
+    row_S = (key_S[None, :] < key_S[:, None]).sum(1)
+    order_S = torch.empty_like(slot_S).scatter_(0, row_S, slot_S)
+    return order_S, (expert_S[None, :] <= experts_E[:, None]).sum(1, dtype=torch.int32)
+
+
 def moe_experts_grouped(
     x_TD: Tensor,
     topk_idx_TK: Tensor,
@@ -138,9 +165,10 @@ def moe_experts_grouped(
 ) -> Tensor:
     """Same as moe_experts_loop, with one ``torch._grouped_mm`` per weight.
 
-    The T*K token slots are sorted by expert so each expert's tokens are one contiguous row
-    range; ``offs`` holds the end row of every expert's range (equal neighbours = an expert with
-    no tokens). Outputs are scattered back to their tokens with an fp32 index_add.
+    The T*K token slots are put in expert order (`expert_order`: a stable sort, or counting for few slots)
+    so each expert's tokens are one contiguous row range; ``offs`` holds the end row of every expert's
+    range (equal neighbours = an expert with no tokens). Outputs are scattered back to their tokens with
+    an fp32 index_add.
     Raises ValueError if grouped_mm_supported says no, or if D or F breaks the 16-byte rule.
     NOTE: expert ids are not range-checked here (that would sync with the GPU), and an id outside
     0..E-1 raises nothing: a negative id joins expert 0's rows, an id >= E no expert's (its
@@ -163,13 +191,8 @@ def moe_experts_grouped(
 
     K = topk_idx_TK.shape[1]
     expert_S = topk_idx_TK.reshape(-1)  # S = T*K token slots, slot s belongs to token s // K
-    sorted_S, order_S = torch.sort(expert_S, stable=True)
+    order_S, offs_E = expert_order(expert_S, E)
     token_S = order_S // K
-    # the end row of every expert's range, read off the sorted ids: one op, int32 as _grouped_mm takes it.
-    # NOTE: not bincount + cumsum: CUDA's bincount reads the max id back to the host (a sync), which CUDA-graph
-    # capture of the engine's decode step forbids (serve/static.py)
-    offs_E = torch.searchsorted(sorted_S, torch.arange(E, device=x_TD.device, dtype=sorted_S.dtype), right=True,
-                                out_int32=True)
 
     x_SD = x_TD[token_S]
     # NOTE: the transposed weight views ([E, D, F] with strides (F*D, 1, D)) are what

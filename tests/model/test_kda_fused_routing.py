@@ -138,7 +138,8 @@ def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch)
     """Prompts prefilled from a cache token by token (<= RECURRENT_MAX_TOKENS, cut to 8 here) and chunked (longer),
     then ragged decode steps through the fast path's static step, its KDA rows updated in place in the slot pool,
     with requests joining and one leaving: every step's logits equal the reference chain's general path (fp32).
-    Every norm ran fla's one-kernel norm, on contiguous rows (GatedMLA's latent norm gets a split view)."""
+    A decode step's one-token conv runs `conv_silu_one_token`, not fla's conv. Every norm ran fla's one-kernel norm,
+    on contiguous rows (GatedMLA's latent norm gets a split view)."""
     monkeypatch.setattr(model_module, "RECURRENT_MAX_TOKENS", 8)
     model = small_model(family, seed=3)
     rng = random.Random(0)
@@ -156,6 +157,7 @@ def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch)
             ("recurrent_gated", 1)} == set(paths)
     assert paths.count(("recurrent_gated", 1)) == kda_layers * steps
     assert fake_fla.count("fused_recurrent_kda_fwd") == kda_layers * (2 + steps)
+    assert fake_fla.count("causal_conv1d") == kda_layers * len(prompts)  # the prefills; decode's conv is PyTorch's
     assert fake_fla.count("layer_norm_fwd") > 0 and "chunk_kda" in fake_fla
     reference_backend(monkeypatch)
     want = serve(ModelRunner(model, num_pages=64, page_size=4), prompts, joins, steps)

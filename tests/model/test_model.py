@@ -404,6 +404,27 @@ def cached_mla(mla: GatedMLA, prefix: torch.Tensor, x: torch.Tensor, absorb: boo
     return mla(x, state=state, absorb=absorb)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_absorbed_mla_precision(T):
+    """attend_absorbed (issue #12): in fp32 it agrees with the expanded form to fp32 rounding; a bf16 module (bf16
+    matmuls, fp32 scores and softmax) stays within bf16 rounding of the fp32 computation on the same bf16 weights
+    and inputs. Random latents, queries and a random mask (key 0 always visible, ~30% of the others hidden)."""
+    mla, lat = random_cached_mla("cpu", torch.float32, cached=70, batch=3, seed=9)
+    g = torch.Generator().manual_seed(9)
+    q = 2 * torch.randn(3, T, 4, 192, generator=g)
+    mask = torch.rand(3, 1, T, 70, generator=g) > 0.3
+    mask[..., 0] = True
+    with torch.no_grad():
+        absorbed = mla.attend_absorbed(q, lat, mask)
+        assert absorbed.dtype == torch.float32
+        assert rel_err(absorbed, mla.attend_expanded(q, lat, mask, causal=False)) < 1e-5
+        mla, q, lat = mla.to(torch.bfloat16), q.bfloat16(), lat.bfloat16()
+        low = mla.attend_absorbed(q, lat, mask)
+        reference = mla.float().attend_absorbed(q.float(), lat.float(), mask)
+    assert low.dtype == torch.bfloat16
+    assert rel_err(low, reference) < 1.5e-2
+
+
 def test_cached_expanded_varlen_glue_is_bottom_right_causal(monkeypatch):
     """The CUDA half-precision route of a cached chunk (torch's varlen flash kernel, one document per row with more
     keys than queries), run on the CPU through a stand-in for varlen_attn with flash's documented semantics
@@ -439,7 +460,7 @@ def test_cached_expanded_varlen_glue_is_bottom_right_causal(monkeypatch):
 def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, monkeypatch):
     """Issue #12 on the GPU: a 200-token chunk after 300 cached tokens (2 rows) in the expanded form, through the
     varlen flash kernel (bf16) or SDPA's memory-efficient kernel with torch's lower-right causal bias (fp32; no
-    dense mask), against the absorbed form's fp32 attention over the explicit mask."""
+    dense mask), against the absorbed form over the explicit mask (its scores and softmax in fp32)."""
     import openk3.model.model as model_module
 
     calls = []

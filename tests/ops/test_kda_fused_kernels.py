@@ -1,10 +1,12 @@
 """The inference-only fla kernels of ops/kda/fused.py against their fp32 references (issue #12):
 `recurrent_gated` (fla's token-by-token KDA with the gate, beta's sigmoid and the q, k L2 norms in the kernel,
-from a state, and in place in a slot pool) and `rms_norm` (split views included). What openk3 does around them
-(which path runs, the slot pool's rows) is checked on any machine by tests/model/test_kda_fused_routing.py.
+from a state, and in place in a slot pool) and `rms_norm` (split views included); and `conv_silu`'s one-token case
+(a decode step), which is plain PyTorch and runs anywhere. What openk3 does around them (which path runs, the slot
+pool's rows) is checked on any machine by tests/model/test_kda_fused_routing.py.
 
-CUDA only. NOTE: Triton's interpreter (TRITON_INTERPRET=1, triton 3.6) cannot run them on the CPU: the recurrent
-kernel's `tl.range(0, T)` over a scalar argument fails there, and the norm kernel's autotuner needs a GPU driver.
+fla's kernels are CUDA only. NOTE: Triton's interpreter (TRITON_INTERPRET=1, triton 3.6) cannot run them on the
+CPU: the recurrent kernel's `tl.range(0, T)` over a scalar argument fails there, and the norm kernel's autotuner
+needs a GPU driver.
 """
 
 import importlib.util
@@ -13,17 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.model.model import kda_decay
+from openk3.model.model import causal_conv_silu, kda_decay
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda.naive import naive_recurrent_kda
 from tests.helpers import rel_err
 
 DEVICE = "cuda"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention"),
-]
+needs_fla = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                               reason="needs CUDA and flash-linear-attention")
 
 B, H, K = 2, 2, 16
 
@@ -51,6 +50,8 @@ def reference(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, state):
                                use_qk_l2norm_in_kernel=True)
 
 
+@pytest.mark.gpu
+@needs_fla
 @pytest.mark.parametrize("saturated", [False, True])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-gate", "softplus-gate"])
 @pytest.mark.parametrize("T", [1, 7])
@@ -66,6 +67,8 @@ def test_recurrent_gated_equals_the_reference(T, lower_bound, saturated):
     assert rel_err(final, want_state) < tol
 
 
+@pytest.mark.gpu
+@needs_fla
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-gate", "softplus-gate"])
 def test_recurrent_gated_updates_the_slot_pool_in_place(lower_bound):
     """A decode step (T = 1) with state indices: the rows of the pool at the indices are updated in place (no gather,
@@ -87,6 +90,8 @@ def test_recurrent_gated_updates_the_slot_pool_in_place(lower_bound):
         kda_fused.recurrent_gated(q2, k2, v2, f2, b2, A_log, dt_bias, lower_bound, K ** -0.5, pool, slots)
 
 
+@pytest.mark.gpu
+@needs_fla
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_equals_the_reference(dtype):
     """fla's one-kernel norm against model.py's reference formula (fp32 statistics, one rounding)."""
@@ -101,3 +106,21 @@ def test_rms_norm_equals_the_reference(dtype):
     c = x[..., :40]  # a split view, as GatedMLA.latent's c: rows 48 apart, not 40
     want = F.rms_norm(c.float(), (40,), w[:40].float(), 1e-5).to(dtype)
     assert rel_err(kda_fused.rms_norm(c, w[:40], 1e-5).float(), want.float()) < tol
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("tail_dtype", ["x", "fp32"])
+def test_conv_silu_one_token_equals_the_reference(dtype, bound, tail_dtype):
+    """A decode step's conv (one token after a random tail; on the CPU here, the same code as on the GPU) against
+    model.py's causal_conv_silu in fp32 on the same inputs; through `conv_silu`, which takes this path without
+    fla. The tail in x's dtype (the engine's slot pool) or fp32 (K3Cache's default)."""
+    g = torch.Generator().manual_seed(5)
+    Bc, W, C = 3, 4, 40
+    x = (torch.randn(Bc, 1, C, generator=g) * 2).to(dtype)
+    tail = (torch.randn(Bc, W - 1, C, generator=g) * 2).to(dtype if tail_dtype == "x" else torch.float32)
+    w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+    want = causal_conv_silu(x, w[:, None, :], None, tail)
+    got = kda_fused.conv_silu(x, w, None, tail)
+    assert got.dtype == dtype and got.shape == (Bc, 1, C)
+    assert torch.equal(got, kda_fused.conv_silu_one_token(x, w, tail))
+    assert rel_err(got, want) < bound

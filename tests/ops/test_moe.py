@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openk3.ops.moe import (COUNT_ORDER_MAX_SLOTS, expert_order, grouped_mm_supported, moe_experts_grouped,
+                            moe_experts_loop)
 from openk3.ops.mxfp import fake_quant_mxfp4
 from openk3.ops.situ import situ_glu, swiglu
 from tests.helpers import rel_norm_err
@@ -128,3 +132,46 @@ def test_moe_experts_follows_the_environment_without_being_told(monkeypatch):
     monkeypatch.setenv("OPENK3_MOE_GEMV", "bogus")
     with pytest.raises(ValueError, match="OPENK3_MOE_GEMV='bogus'"):
         ops.moe_experts(*moe, swiglu)
+
+
+def sorted_order(expert_S: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What moe_experts_grouped did before `expert_order`: a stable sort, then searchsorted for the end rows."""
+    sorted_S, order_S = torch.sort(expert_S, stable=True)
+    return order_S, torch.searchsorted(sorted_S, torch.arange(E), right=True, out_int32=True)
+
+
+def assert_same_order(expert_S: torch.Tensor, E: int) -> None:
+    order_S, offs_E = expert_order(expert_S, E)
+    want_order, want_offs = sorted_order(expert_S, E)
+    assert order_S.dtype == torch.int64 and offs_E.dtype == torch.int32
+    assert torch.equal(order_S, want_order) and torch.equal(offs_E, want_offs)
+
+
+@pytest.mark.parametrize("ids, E", [
+    ([3], 5),  # S = 1
+    ([2] * 9, 4),  # every slot on one expert, the others empty
+    ([4, 0, 4, 1, 0, 4, 4, 1], 6),  # ties (kept in slot order), experts 2, 3 and 5 empty
+    ([1, -1, 5, 0, 1, 7, -1], 5),  # ids outside 0..E-1, as the sort places them (no expert's, or expert 0's rows)
+])
+def test_expert_order_by_counting_equals_the_stable_sort(ids, E):
+    assert_same_order(torch.tensor(ids), E)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(0, 39), min_size=1, max_size=300))
+def test_expert_order_equals_the_stable_sort_for_random_ids(E, ids):
+    """Random ids (many experts left without tokens), up to 300 slots: the counting path equals the sort."""
+    assert_same_order(torch.tensor(ids) % E, E)
+
+
+def test_expert_order_counts_up_to_the_limit_and_sorts_above(monkeypatch):
+    """COUNT_ORDER_MAX_SLOTS slots are counted, one more sorted (torch.sort called once), both as the sort gives."""
+    ids = torch.randint(0, 8, (COUNT_ORDER_MAX_SLOTS + 1,), generator=torch.Generator().manual_seed(0))
+    lengths = (COUNT_ORDER_MAX_SLOTS, COUNT_ORDER_MAX_SLOTS + 1)
+    want = [sorted_order(ids[:n], 8) for n in lengths]
+    real, calls = torch.sort, []
+    monkeypatch.setattr(torch, "sort", lambda x, **k: calls.append(x.numel()) or real(x, **k))
+    for n, (order, offs) in zip(lengths, want):
+        got_order, got_offs = expert_order(ids[:n], 8)
+        assert torch.equal(got_order, order) and torch.equal(got_offs, offs)
+    assert calls == [COUNT_ORDER_MAX_SLOTS + 1]

@@ -5,7 +5,8 @@ Each function here computes exactly what a piece of `KimiDeltaAttention`'s refer
 (measured on the H200, those chains and their casts took most of a step's GPU time; docs/training.md); conv_silu
 and chunk_gated also start from a cache's state (the conv tail, the recurrent state) for a cached prefill:
 
-    conv_silu      causal_conv_silu: depthwise causal short conv + SiLU, restarting at document starts
+    conv_silu      causal_conv_silu: depthwise causal short conv + SiLU, restarting at document starts; one
+                   token after a cache's tail (a decode step) in plain PyTorch instead (`conv_silu_one_token`)
     chunk_gated    decay() + the delta rule: the gate  lb * sigmoid(exp(A_log) * (f + dt_bias))  (K3, bounded;
                    fla's `safe_gate`) or  -exp(A_log) * softplus(f + dt_bias)  (Kimi-Linear) computed inside
                    fla's chunk_kda, which also returns the gradients of A_log and dt_bias
@@ -43,9 +44,13 @@ def conv_silu(qkv: Tensor, w_CW: Tensor, cu_seqlens: Tensor | None, tail_BWC: Te
     """SiLU(causal depthwise conv of qkv [B, T, C] with w [C, W]) in qkv's dtype; with cu_seqlens (over the
     flattened B*T tokens) the window stops at every document start; `tail_BWC` [B, W-1, C] holds the W-1 inputs
     before this chunk (a cache's conv tail; not with cu_seqlens)."""
+    B, T, C = qkv.shape
+    if T == 1 and tail_BWC is not None and cu_seqlens is None:
+        # NOTE: a decode step. fla's kernel took 55 us a layer for this one token at batch 64 on the H200 (2.2 us
+        # at batch 1; issue #12); here it is a few small elementwise kernels over [B, W, C]
+        return conv_silu_one_token(qkv, w_CW, tail_BWC)
     from fla.modules.causal_conv1d import causal_conv1d
 
-    B, T, C = qkv.shape
     if cu_seqlens is None:
         # NOTE: fla's conv state is [B, C, W], the last W inputs with the newest at index W-1; the kernel reads
         # indices 1..W-1 as the inputs before the chunk, so the tail goes there and index 0 is never read.
@@ -56,6 +61,16 @@ def conv_silu(qkv: Tensor, w_CW: Tensor, cu_seqlens: Tensor | None, tail_BWC: Te
         raise ValueError("conv_silu: a conv tail cannot be combined with cu_seqlens (packed documents)")
     y, _ = causal_conv1d(qkv.reshape(1, B * T, C), weight=w_CW, activation="silu", cu_seqlens=cu_seqlens)
     return y.view(B, T, C)
+
+
+def conv_silu_one_token(x_B1C: Tensor, w_CW: Tensor, tail_BWC: Tensor) -> Tensor:
+    """`conv_silu` of one token x [B, 1, C] after its tail [B, W-1, C] (plain PyTorch, any device; no host sync,
+    so a captured decode step can hold it): SiLU(sum over the window [tail | x] of window * w), in fp32 like
+    `causal_conv_silu`, in x's dtype."""
+    window_BWC = torch.cat([tail_BWC, x_B1C], dim=1)
+    # the product promotes a half-precision window to fp32 as it reads it (exactly), no separate cast
+    y_BC = (window_BWC * w_CW.float().T).sum(1)
+    return F.silu(y_BC).unsqueeze(1).to(x_B1C.dtype)
 
 
 def chunk_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
