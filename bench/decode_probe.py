@@ -13,6 +13,8 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                (ms until the call returns, ms until the device is done), averaged over 10 calls
   hit          a prefix-hit turn of a 32,768-token conversation (its last 257 tokens new): wall ms, then one more
                such turn under the profiler (device busy against wall)
+  spec:k       a speculative round of k drafts at batch 1 (early-exit draft of 4 layers): ms a round, the same
+               split by phase (draft steps, snapshots, verification, rollback, restore), 10 rounds profiled
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -130,9 +132,59 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     return {"step_ms": step_ms, "top": rows[:30]}
 
 
+def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
+    """A speculative round at batch 1 (early-exit draft: the model's first 4 layers; random weights, so the
+    acceptance says nothing, the cost a round does): wall ms a round, the same split by phase (each phase timed
+    between two syncs), then 10 rounds under the profiler."""
+    from openk3.serve.engine import early_exit_draft
+    engine = engine_for(model, args, 1, draft=early_exit_draft(model, 4), prefix_cache=False, num_draft_tokens=k)
+    prompt = random_prompts(1, 512, model.config.vocab_size, rng)
+    engine.generate(prompt, greedy(16))  # captures the buckets
+    req = engine.submit(prompt[0], greedy(400))
+    while req.status != "running":
+        engine.step()
+    for _ in range(3):
+        engine.step()
+
+    def rounds(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e3
+    out = {"round_ms": rounds(20)}
+    phases: dict[str, float] = {}
+    for owner, name in ((engine.drafter, "decode"), (engine.drafter, "snapshot"), (engine.target, "verify"),
+                        (engine.target, "rollback_verified"), (engine.drafter, "restore")):
+        def wrap(fn, key=f"{'draft' if owner is engine.drafter else 'target'}.{name}"):
+            def timed_call(*a, **kw):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                result = fn(*a, **kw)
+                torch.cuda.synchronize()
+                phases[key] = phases.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+                return result
+            return timed_call
+        setattr(owner, name, wrap(getattr(owner, name)))
+    out["synced_round_ms"] = rounds(20)
+    out["phase_ms_a_round"] = {key: ms / 20 for key, ms in phases.items()}
+    for owner in (engine.drafter, engine.target):
+        for name in ("decode", "snapshot", "verify", "rollback_verified", "restore"):
+            owner.__dict__.pop(name, None)
+    out["top"] = profile_step(lambda: rounds(10), out_dir / f"spec_k{k}.txt")[:30]
+    engine.cancel(req.id)
+    engine.step()
+    print(f"  speculative k={k}: {out['round_ms']:.2f} ms a round; synced phases "
+          + ", ".join(f"{key} {ms:.2f}" for key, ms in out["phase_ms_a_round"].items())
+          + f" (round {out['synced_round_ms']:.2f}); device busy {out['top'][0]['self_device_ms'] / 10:.2f} ms a round",
+          flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, hit, decode:B or decode:B:c")
+    p.add_argument("parts", nargs="+", help="kda, hit, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -151,11 +203,13 @@ def main() -> None:
                 results[name] = part_kda(model)
             elif name == "hit":
                 results[name] = part_hit(model, args, rng, a.out)
+            elif name.startswith("spec:"):
+                results[name] = part_spec(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("decode:"):
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
             else:
-                raise ValueError(f"unknown part {name!r}: kda, hit, decode:B or decode:B:c")
+                raise ValueError(f"unknown part {name!r}: kda, hit, decode:B, decode:B:c or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()
