@@ -565,35 +565,24 @@ class Engine:
         self._retire(outputs)
 
     def _speculate_static(self, outputs: list[StepOutput]) -> None:
-        """`_speculate` on the fast path, for a batch of greedy rows: the k + 1 draft forwards are the draft's
-        static decode steps (captured as CUDA graphs where the draft can be), the verification one static step of
-        the target over k + 1 tokens a row, its KDA rollback one more (static.py `StaticDecoder.verify`,
-        `rollback`); the draft's states go back to a copy taken after the right draft step (`ModelRunner.snapshot`).
-        The same tokens as the general round: greedy acceptance keeps the drafts up to the first that differs from
-        the target's argmax, then the target's own token."""
+        """`_speculate` on the fast path, for a batch of greedy rows, with one host sync: the draft's k + 1 steps
+        as one static run (captured as a CUDA graph where the draft can be) that hands its tokens to the target's
+        verification on the device, one static step of the target over k + 1 tokens a row, then the target's KDA
+        rollback, one more (static.py `StaticDecoder.draft`, `verify`, `rollback`); the draft's states go back to
+        the copy taken after the right draft step (`ModelRunner.restore`). The same tokens as the general round:
+        greedy acceptance keeps the drafts up to the first that differs from the target's argmax, then the target's
+        own token."""
         reqs, k = self.running, self.cfg.num_draft_tokens
-        params, zeros = [r.params for r in reqs], [0] * len(reqs)
-        draft_seqs = [r.draft_seq for r in reqs]
-        drafted: list[list[int]] = [[] for _ in reqs]
-        snapshots = []
-        tokens = [r.output[-1] for r in reqs]
-        # k + 1 draft steps: the last one only feeds d_k, so the draft's cache covers every verified token.
-        for i in range(k + 1):
-            tokens, _, _ = self.drafter.decode(draft_seqs, tokens, params, zeros, zeros)
-            if i == k:
-                break
-            snapshots.append(self.drafter.snapshot())  # the draft's states after i + 1 tokens of the round
-            for d, t in zip(drafted, tokens):
-                d.append(t)
-        verify = [[r.output[-1]] + d for r, d in zip(reqs, drafted)]
-        argmax, logprobs, finite = self.target.verify([r.seq for r in reqs], verify)
+        pending = [r.output[-1] for r in reqs]
+        drafted, snapshots = self.drafter.draft([r.draft_seq for r in reqs], pending, k)
+        fed, argmax, logprobs, finite = self.target.verify([r.seq for r in reqs], pending, drafted)
         self._fail_rows(reqs, finite, outputs)
         keep = []
         for b, r in enumerate(reqs):
             if not finite[b]:
                 keep.append(k + 1)  # (the row leaves the batch below; its states are not read again)
                 continue
-            emitted = accept_draft(drafted[b], None, None, argmax[b], None)
+            emitted = accept_draft(fed[b][1:], None, None, argmax[b], None)
             keep.append(self._emit(r, emitted, logprobs[b][:len(emitted)], outputs))
             self.counters["accepted_tokens"] += len(emitted) - 1
             self.counters["decode_tokens"] += keep[-1]

@@ -108,8 +108,7 @@ class ModelRunner:
     def _view(self) -> None:
         """`kda` for the fast path: the slot pool's states at the batch's slots (rebuilt on join and leave only;
         the objects persist between them, as speculation's kept inputs must)."""
-        self.row_slots = torch.tensor(self.rows, dtype=torch.long, device=self.device)
-        self.kda = self.slots.view(self.row_slots)
+        self.kda = self.slots.view(torch.tensor(self.rows, dtype=torch.long, device=self.device))
 
     def decode(self, seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams], seeds: list[int],
                counters: list[int], with_logits: bool = False) -> tuple:
@@ -120,20 +119,25 @@ class ModelRunner:
         return self.decoder.step(seqs, self.rows, tokens, params, seeds, counters, with_logits)
 
     # ---- speculative decoding on the fast path (static steps; greedy rows)
-    def verify(self, seqs: list[PagedSeq], tokens: list[list[int]]) -> tuple:
-        """The fast path's speculative verification for the whole batch (row b = seqs[b], slot rows[b], tokens[b]
-        its pending token and the drafted ones); see `StaticDecoder.verify`, then `rollback_verified`."""
+    def draft(self, seqs: list[PagedSeq], pending: list[int], k: int) -> tuple[Tensor, list]:
+        """The fast path's k + 1 greedy draft steps of a speculative round for the whole batch, without a host
+        sync (row b = seqs[b], slot rows[b], its pending token pending[b]); see `StaticDecoder.draft`."""
+        if self.decoder is None:
+            raise RuntimeError("draft is the fast path's step: build the runner with slots=")
+        return self.decoder.draft(seqs, self.rows, pending, k)
+
+    def verify(self, seqs: list[PagedSeq], pending: list[int], drafted: Tensor) -> tuple:
+        """The fast path's speculative verification for the whole batch: row b = seqs[b], slot rows[b], fed its
+        pending token then drafted[b] (on the device, from `draft`); see `StaticDecoder.verify`, then
+        `rollback_verified`."""
         if self.decoder is None:
             raise RuntimeError("verify is the fast path's step: build the runner with slots=")
-        return self.decoder.verify(seqs, self.rows, tokens)
+        k = drafted.shape[1]
+        return self.decoder.verify(seqs, self.rows, [[t] * (k + 1) for t in pending], drafted)
 
     def rollback_verified(self, keep: list[int]) -> None:
         """After `verify`: row b keeps the KDA state of its first keep[b] verified tokens (`StaticDecoder.rollback`)."""
         self.decoder.rollback(keep)
-
-    def snapshot(self) -> tuple[Tensor, Tensor]:
-        """Fast path: a copy of the batch's KDA states (`SlotPool.snapshot`), e.g. a draft's after one draft step."""
-        return self.slots.snapshot(self.row_slots)
 
     def restore(self, snapshots: list[tuple[Tensor, Tensor]], keep: list[int]) -> None:
         """Fast path: row b's KDA states back to snapshots[keep[b] - 1] wherever keep[b] <= len(snapshots) (a

@@ -148,20 +148,23 @@ class SlotPool:
 
 
 class StaticMLA:
-    """One MLA layer's paged cache for a static step (the `MLAState.append` protocol, T tokens a row)."""
+    """One MLA layer's paged cache for a static step (the `MLAState.append` protocol, T tokens a row): its pages
+    through the page table [B, P], the new tokens' (page, offset) [B, T] each, and the mask [B, 1, T, P*page_size]."""
 
-    def __init__(self, pool: PagePool, mla_index: int, buf: "StepBuffers", mask: Tensor):
-        self.pool, self.index, self.buf, self.mask = pool, mla_index, buf, mask
+    def __init__(self, pool: PagePool, mla_index: int, table: Tensor, write_page: Tensor, write_offset: Tensor,
+                 mask: Tensor):
+        self.pool, self.index, self.mask = pool, mla_index, mask
+        self.table, self.write_page, self.write_offset = table, write_page, write_offset
 
     def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
         """Write each row's new latents at their (page, offset), then read every row's pages through the table.
-        -> latents [B, P*page_size, C] and the mask [B, 1, T, P*page_size] (`StepBuffers.mask`).
+        -> latents [B, P*page_size, C] and the mask (`StepBuffers.mask`).
         NOTE: padding rows write their latents into the zero page (offset 0), unmasked: real rows read the zero page
         only where their mask is False, where the softmax weight is exactly 0 and 0 * a finite latent adds nothing;
         `StaticDecoder` zeroes the page again after the forward, so between steps it is zero (cache.py)."""
-        buf, mla = self.buf, self.pool.mla
-        mla[buf.write_page, self.index, buf.write_offset] = lat_BTC.to(mla.dtype)
-        return mla[buf.table, self.index].flatten(1, 2), self.mask
+        mla = self.pool.mla
+        mla[self.write_page, self.index, self.write_offset] = lat_BTC.to(mla.dtype)
+        return mla[self.table, self.index].flatten(1, 2), self.mask
 
 
 class StepBuffers:
@@ -191,10 +194,13 @@ class StepBuffers:
         self.floats.zero_()
         self.table.zero_()
 
-    def mask(self) -> Tensor:
-        """[B, 1, T, P * page_size] bool: new token t of a row (at position length + t) sees keys 0..length + t."""
+    def mask(self, token: int | None = None) -> Tensor:
+        """[B, 1, T, P * page_size] bool: new token t of a row (at position length + t) sees keys 0..length + t.
+        `token`: only that one of the T ([B, 1, 1, P * page_size]; a draft loop's step, `StaticDecoder._draft_run`)."""
         pos = self.lengths[:, None]  # [B, T]: the new tokens' positions (a decode step: no op for T = 1)
-        if self.T > 1:
+        if token is not None and token > 0:
+            pos = pos + token
+        elif token is None and self.T > 1:
             pos = pos + torch.arange(self.T, device=pos.device)
         return (self.key_pos[None, None, :] <= pos[:, :, None])[:, None]
 
@@ -261,14 +267,17 @@ class StaticDecoder:
         self.rollbacks.clear()
 
     # ---- the steps as the device runs them (captured or eager)
-    def _cache(self, buf: StepBuffers, kda: list[SlotKDAState]) -> K3Cache:
-        """The model's cache for a step: the KDA layers' slot states in order, a `StaticMLA` per MLA layer."""
-        mask, kda, layers, mla_index = buf.mask(), iter(kda), [], 0
+    def _cache(self, buf: StepBuffers, kda: list[SlotKDAState], token: int | None = None) -> K3Cache:
+        """The model's cache for a step over the buffers' T tokens a row (`token`: only that one of them): the KDA
+        layers' slot states in order, a `StaticMLA` per MLA layer."""
+        cols = slice(None) if token is None else slice(token, token + 1)
+        where = (buf.table, buf.write_page[:, cols], buf.write_offset[:, cols], buf.mask(token))
+        kda, layers, mla_index = iter(kda), [], 0
         for kind in self.layer_types:
             if kind == "kda":
                 layers.append(next(kda))
             else:
-                layers.append(StaticMLA(self.pool, mla_index, buf, mask))
+                layers.append(StaticMLA(self.pool, mla_index, *where))
                 mla_index += 1
         return K3Cache(layers)
 
@@ -294,9 +303,9 @@ class StaticDecoder:
 
     def _verify_run(self, buf: StepBuffers, greedy_only: bool = True) -> tuple[Tensor, Tensor, tuple]:
         """Model forward over T tokens a row (a speculative verification), keeping what `_rollback_run` needs ->
-        ([3, B, T] float64: the greedy token after each position, its logprob, whether the row's logits were all
-        finite; the fp32 logits [B, T, V]; (the layers' slot states, their committed states, their per-token
-        inputs)). The KDA layers run the reference chain (`keep_inputs`), from every layer's rows gathered in one op:
+        ([4, B, T] float64: the greedy token after each position, its logprob, whether the row's logits were all
+        finite, the token fed there; the fp32 logits [B, T, V]; (the layers' slot states, their committed states,
+        their per-token inputs)). The KDA layers run the reference chain (`keep_inputs`), from every layer's rows gathered in one op:
         those gathered rows are the committed states."""
         kda = self.slots.view(buf.slots, gather=True)
         committed = [KDAState(s.recurrent, s.conv) for s in kda]
@@ -305,8 +314,26 @@ class StaticDecoder:
         tokens = logits.argmax(-1)
         logprobs = logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)
         finite = torch.isfinite(logits).flatten(1).all(-1, keepdim=True).expand_as(tokens)
-        out = torch.empty(3, *tokens.shape, dtype=torch.float64, device=logits.device)
-        return torch.stack([tokens, logprobs, finite], out=out), logits, (kda, committed, [s.inputs for s in kda])
+        out = torch.empty(4, *tokens.shape, dtype=torch.float64, device=logits.device)
+        out = torch.stack([tokens, logprobs, finite, buf.ids], out=out)
+        return out, logits, (kda, committed, [s.inputs for s in kda])
+
+    def _draft_run(self, buf: StepBuffers, greedy_only: bool = True) -> tuple[Tensor, list]:
+        """A speculative round's T = k + 1 greedy draft steps in one run, with no token read back in between: step
+        i feeds the token step i - 1 chose (step 0 the pending token, `buf.ids[:, 0]`) at position length + i.
+        The last step only feeds d_k, so the draft's cache covers every verified token. -> (the drafted tokens
+        [B, k]; the batch's states after steps 1..k, `SlotPool.snapshot` each)."""
+        tokens, drafted, snapshots = buf.ids[:, :1], [], []
+        for i in range(buf.T):
+            kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place)
+            logits = self.model(tokens, cache=self._cache(buf, kda, token=i), validate=False).logits[:, -1]
+            self._reset_padding()
+            if i == buf.T - 1:
+                break
+            tokens = logits.argmax(-1, keepdim=True)
+            drafted.append(tokens)
+            snapshots.append(self.slots.snapshot(buf.slots))
+        return torch.cat(drafted, dim=1), snapshots
 
     def _rollback_run(self, buf: StepBuffers, saved: tuple) -> None:
         """After `_verify_run`: every layer's rows back to their committed state plus the first `buf.keep[b]` tokens
@@ -331,12 +358,15 @@ class StaticDecoder:
         return graph, out
 
     # ---- the steps as the engine calls them
-    def _launch(self, run, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]], greedy_only: bool,
-                per_row: dict[str, list] | None = None, floats: list[list[float]] | None = None):
-        """Run `run` (`_run` or `_verify_run`) for a batch whose row b appends tokens[b] to seqs[b] (its KDA state in
-        slot slots[b]): grow the page tables, pick the bucket, capture it the first time (graphs), copy the inputs
-        in, replay (or run eagerly). -> (the bucket's key, its buffers, what `run` returned). The lengths are left to
-        the caller, which advances them after its read of the outputs."""
+    def _launch(self, kind: str, run, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]],
+                greedy_only: bool, per_row: dict[str, list] | None = None, floats: list[list[float]] | None = None,
+                device_ids: Tensor | None = None):
+        """Run `run` (`_run`, `_verify_run` or `_draft_run`, named by `kind`) for a batch whose row b appends
+        tokens[b] to seqs[b] (its KDA state in slot slots[b]): grow the page tables, pick the bucket, capture it the
+        first time (graphs), copy the inputs in, replay (or run eagerly). `device_ids` [n, t]: the last t tokens of
+        every row, already on the device (a draft's tokens), copied over those of `tokens` without a host round
+        trip. -> (the bucket's key, its buffers, what `run` returned). The lengths are left to the caller, which
+        advances them after its read of the outputs."""
         T = len(tokens[0])
         for s in seqs:
             s.grow(self.pool, s.length + T)
@@ -344,7 +374,7 @@ class StaticDecoder:
         buf = self.buffers.get((B, P, T))
         if buf is None:
             buf = self.buffers[(B, P, T)] = StepBuffers(B, P, self.pool.page_size, self.device, T)
-        key = (B, P, T, greedy_only)
+        key = (kind, B, P, T, greedy_only)
         # NOTE: the fused projections are refreshed here, before capture and replay, never inside the graph or the
         # compiled step: a replay reads the stacked weights at their captured addresses, which refresh writes in place
         with applied(self.fused):
@@ -352,6 +382,8 @@ class StaticDecoder:
                 buf.clear()  # warmup and capture run on padding rows only: they write the scratch slot and zero page
                 self.captured[key] = self._capture(run, buf, greedy_only)
             buf.fill(seqs, slots, tokens, self.pool.page_size, per_row, floats)
+            if device_ids is not None:
+                buf.ids[:len(seqs), T - device_ids.shape[1]:].copy_(device_ids)
             if self.graphs:
                 graph, result = self.captured[key]
                 graph.replay()
@@ -371,7 +403,7 @@ class StaticDecoder:
         n = len(seqs)
         per_row = dict(top_k=[p.top_k for p in params], seed=seeds, counter=counters)
         floats = [[p.temperature for p in params], [p.top_p for p in params]]
-        _, _, (out, logits) = self._launch(self.run, seqs, slots, [[t] for t in tokens],
+        _, _, (out, logits) = self._launch("decode", self.run, seqs, slots, [[t] for t in tokens],
                                            all(p.greedy for p in params), per_row, floats)
         result = out[:, :n].cpu().tolist()  # the step's one host sync
         for s in seqs:
@@ -379,20 +411,34 @@ class StaticDecoder:
         sampled = [int(t) for t in result[0]], result[1], [f > 0 for f in result[2]]
         return (*sampled, logits[:n].clone()) if with_logits else sampled
 
-    def verify(self, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]],
+    def draft(self, seqs: list[PagedSeq], slots: list[int], pending: list[int], k: int) -> tuple[Tensor, list]:
+        """A speculative round's k + 1 greedy draft steps for every row (row b feeds pending[b], then its own k
+        drafts), as one run without a host sync (`_draft_run`). Grows the page tables and advances the lengths by
+        k + 1. -> (the drafted tokens [n, k] on the device, for `verify`; the states after steps 1..k, for
+        `SlotPool.restore`: each the snapshot of the bucket's B rows, of which the first n are the batch)."""
+        key, buf, (drafted, snapshots) = self._launch("draft", self._draft_run, seqs, slots,
+                                                      [[t] * (k + 1) for t in pending], True)
+        for s in seqs:
+            s.length += k + 1
+        return drafted[:len(seqs)], snapshots
+
+    def verify(self, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]], drafted: Tensor | None = None,
                with_logits: bool = False) -> tuple:
         """A greedy speculative verification: row b appends tokens[b] (its pending token, then the drafted ones; T
-        each) to seqs[b]. Grows the page tables and advances the lengths by T; the KDA states then hold all T
-        tokens until `rollback`. -> (per row the greedy token after each of its T positions, their fp32
-        logprobs, whether the row's logits were all finite), with one host sync; `with_logits` adds the fp32
-        logits [n, T, V] (a copy, on the device), for tests."""
+        each) to seqs[b]; `drafted` [n, T - 1] on the device (from `draft`) stands in for the drafted ones. Grows
+        the page tables and advances the lengths by T; the KDA states then hold all T tokens until `rollback`.
+        -> (per row the T tokens it was fed, the greedy token after each of them, their fp32 logprobs, whether the
+        row's logits were all finite), with one host sync; `with_logits` adds the fp32 logits [n, T, V] (a copy, on
+        the device), for tests."""
         n, T = len(seqs), len(tokens[0])
-        key, buf, (out, logits, saved) = self._launch(self._verify_run, seqs, slots, tokens, True)
+        key, buf, (out, logits, saved) = self._launch("verify", self._verify_run, seqs, slots, tokens, True,
+                                                      device_ids=drafted)
         self._verified = (key, buf, saved)
         result = out[:, :n].cpu().tolist()  # the verification's one host sync
         for s in seqs:
             s.length += T
-        verified = [[int(t) for t in row] for row in result[0]], result[1], [row[0] > 0 for row in result[2]]
+        fed, argmax = ([[int(t) for t in row] for row in result[i]] for i in (3, 0))
+        verified = fed, argmax, result[1], [row[0] > 0 for row in result[2]]
         return (*verified, logits[:n].clone()) if with_logits else verified
 
     def rollback(self, keep: list[int]) -> None:

@@ -491,8 +491,9 @@ def verify_both_ways(model, keep: list[int], device: str = "cpu", graphs: bool =
                 runner.rollback(committed, [s.inputs for s in runner.kda], torch.tensor(keep, device=device))
                 runner.end_speculation()
             else:
-                argmax, logprobs, finite, logits = runner.decoder.verify(seqs, runner.rows, tokens, with_logits=True)
-                assert argmax == logits.argmax(-1).tolist() and all(finite)
+                fed, argmax, logprobs, finite, logits = runner.decoder.verify(seqs, runner.rows, tokens,
+                                                                              with_logits=True)
+                assert fed == tokens and argmax == logits.argmax(-1).tolist() and all(finite)
                 assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64),
                                       torch.log_softmax(logits.double(), -1).gather(-1, logits.argmax(-1)[..., None])[..., 0].cpu(),
                                       atol=1e-5)
@@ -515,44 +516,53 @@ def test_static_verification_and_rollback_equal_the_general_round(family):
     assert rel_err(fast_after, gen_after) < 1e-5
 
 
-def test_draft_snapshots_restore_rows_to_their_own_step():
-    """`ModelRunner.snapshot` / `restore`: after three static steps, rows restored to the snapshots of different steps
-    equal a runner that only took that many steps (its next step's logits)."""
+def test_the_draft_run_equals_greedy_steps_and_restores_rows_to_their_own_step():
+    """`StaticDecoder.draft` (k + 1 greedy steps in one run, no token read back in between) drafts the tokens that
+    k greedy decode steps choose, and `ModelRunner.restore` puts each row back to the snapshot of its own step:
+    row 0 keeps 1 token (the pending one), row 1 all k + 1; the next step's logits equal those of a runner that
+    only decoded those tokens."""
     model = small_model("k3", seed=5)
-    prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    fed = [[1, 2], [3, 4], [5, 6]]
-    keep = [1, 3]  # row 0 back to after step 1, row 1 keeps all three steps
+    prompts, pending, k, keep = [[5, 6, 7], [8, 9, 10, 11]], [1, 2], 2, [1, 3]
 
-    def run(steps: int, restore: bool):
+    def runner_with_prompts():
         runner = ModelRunner(model, num_pages=100, page_size=4, slots=4)
-        with torch.inference_mode():
-            seqs = [prefill_and_join(runner, p, len(p) + 8)[0] for p in prompts]
-            snaps = []
-            for tokens in fed[:steps]:
-                runner.decode(seqs, tokens, [GREEDY] * 2, [0, 0], [0, 0])
-                snaps.append(runner.snapshot())
-            if restore:
-                runner.restore(snaps[:2], keep)
-                for s, n in zip(seqs, keep):
-                    s.length -= steps - n
-            return greedy_step_logits(runner, seqs, [7, 8])
+        return runner, [prefill_and_join(runner, p, len(p) + 8)[0] for p in prompts]
 
-    restored = run(3, restore=True)
-    assert rel_err(restored[0], run(1, restore=False)[0]) < 1e-6
-    assert rel_err(restored[1], run(3, restore=False)[1]) < 1e-6
-    assert rel_err(restored[0], run(3, restore=False)[0]) > 1e-3  # the restore did something
+    with torch.inference_mode():
+        runner, seqs = runner_with_prompts()
+        drafted, snapshots = runner.draft(seqs, pending, k)
+        runner.restore(snapshots, keep)
+        for s, n in zip(seqs, keep):
+            s.length -= k + 1 - n
+        restored = greedy_step_logits(runner, seqs, [7, 8])
+
+        stepped, seqs = runner_with_prompts()
+        tokens, chosen = pending, []
+        for _ in range(k + 1):  # the plain greedy steps: the first k choose the drafts
+            tokens = stepped.decode(seqs, tokens, [GREEDY] * 2, [0, 0], [0, 0])[0]
+            chosen.append(tokens)
+        assert drafted.tolist() == [list(row) for row in zip(*chosen[:k])]
+        full = greedy_step_logits(stepped, seqs, [7, 8])  # row 1: all k + 1 tokens fed, as it kept
+
+        one, seqs = runner_with_prompts()
+        one.decode(seqs, pending, [GREEDY] * 2, [0, 0], [0, 0])
+        first = greedy_step_logits(one, seqs, [7, 8])  # row 0: only its pending token fed
+    assert rel_err(restored[0], first[0]) < 1e-6
+    assert rel_err(restored[1], full[1]) < 1e-6
+    assert rel_err(restored[0], full[0]) > 1e-3  # the restore did something
 
 
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
-def test_the_verification_and_rollback_have_no_host_sync(family):
-    """Like the decode step: the verification and its rollback run no op that reads a device value back, so both
-    can be captured as CUDA graphs."""
+def test_the_verification_rollback_and_draft_run_have_no_host_sync(family):
+    """Like the decode step: the verification, its rollback and the draft run (k + 1 steps) run no op that reads a
+    device value back, so each can be captured as a CUDA graph."""
     both = verify_both_ways(small_model(family, seed=4), keep=[2, 1, 4])
     decoder = both["fast"][2].decoder
     (buf,) = [b for (B, P, T), b in decoder.buffers.items() if T > 1]
     with torch.inference_mode(), OpNames() as ops:
         _, _, saved = decoder._verify_run(buf)
         decoder._rollback_run(buf, saved)
+        decoder._draft_run(buf)
     bad = sorted({n for n in ops.names if n in SYNCING_OPS})
     assert not bad, bad
     assert len(ops.names) > 100
