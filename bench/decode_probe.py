@@ -14,7 +14,7 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
   hit          a prefix-hit turn of a 32,768-token conversation (its last 257 tokens new): wall ms, then one more
                such turn under the profiler (device busy against wall)
   spec:k       a speculative round of k drafts at batch 1 (early-exit draft of 4 layers): ms a round, the same
-               split by phase (draft steps, snapshots, verification, rollback, restore), 10 rounds profiled
+               split by phase (the draft's steps, the verification, its rollback, the draft's restore), 10 rounds profiled
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -155,8 +155,8 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
         return (time.perf_counter() - t0) / n * 1e3
     out = {"round_ms": rounds(20)}
     phases: dict[str, float] = {}
-    for owner, name in ((engine.drafter, "decode"), (engine.drafter, "snapshot"), (engine.target, "verify"),
-                        (engine.target, "rollback_verified"), (engine.drafter, "restore")):
+    names = ("draft", "verify", "rollback_verified", "restore")
+    for owner, name in zip((engine.drafter, engine.target, engine.target, engine.drafter), names):
         def wrap(fn, key=f"{'draft' if owner is engine.drafter else 'target'}.{name}"):
             def timed_call(*a, **kw):
                 torch.cuda.synchronize()
@@ -170,7 +170,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
     out["synced_round_ms"] = rounds(20)
     out["phase_ms_a_round"] = {key: ms / 20 for key, ms in phases.items()}
     for owner in (engine.drafter, engine.target):
-        for name in ("decode", "snapshot", "verify", "rollback_verified", "restore"):
+        for name in names:
             owner.__dict__.pop(name, None)
     out["top"] = profile_step(lambda: rounds(10), out_dir / f"spec_k{k}.txt")[:30]
     engine.cancel(req.id)
