@@ -179,7 +179,9 @@ class Engine:
             raise ValueError("EngineConfig.compile_decode=True compiles the fast decode path's step; it needs "
                              f"fast_decode (fast_decode={config.fast_decode}, model on {device})")
         if config.compile_decode and draft is not None:
-            # a speculative round runs the draft and the target through `_forward`, never the static step
+            # with a draft every decode is a speculative round, which never runs the compiled step: a sampled
+            # batch's round goes through `_forward`, a greedy batch's through the static draft, verify and rollback
+            # runs (static.py: CUDA graphs where they can be, never compiled)
             raise ValueError("EngineConfig.compile_decode=True with a draft model: speculative decoding does not run "
                              "the compiled decode step; drop one of the two")
         fuse = config.fuse_projections if config.fuse_projections is not None else device.type == "cuda"
@@ -201,8 +203,11 @@ class Engine:
             # on the fast path a greedy batch's draft steps are its static steps (captured where the draft can
             # be), a sampled batch's go through `_forward`. Its own fusion (an early-exit draft's modules are its
             # own, reading the target's parameter tensors).
+            draft_problem = capture_problem(draft) if graphs else None
             self.drafter = ModelRunner(draft, config.num_pages, config.page_size, slots=slots, fuse=fuse,
-                                       graphs=graphs and capture_problem(draft) is None)
+                                       graphs=graphs and draft_problem is None)
+            if draft_problem is not None:  # said, not silently slower (STYLE rule 10)
+                self.decode_path += f"; the draft's steps eager ({draft_problem})"
             self.draft, self.draft_pool = self.drafter.model, self.drafter.pool
         # Positions a speculative round may write past the last kept token (its worst case is reserved too).
         self.lookahead = config.num_draft_tokens if draft is not None else 0

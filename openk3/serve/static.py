@@ -20,9 +20,19 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
                    the H200 32 s and 44 s, and then it decoded kimi-linear-1.5b 13% faster than the default at
                    batch 1 and no faster at batch 16 and 64 (docs/engine.md "On the H200 (2026-12-02, third session)").
 
+A speculative round of greedy rows (engine.py `_speculate_static`) runs on the same kind of buffers with T tokens a
+row (`StepBuffers`, T = k + 1), in three static runs and one host sync: the draft's `draft` (its k + 1 greedy steps
+in one run, each step's token fed to the next on the device, the states after steps 1..k kept for
+`SlotPool.restore`), the target's `verify` (one forward over the pending token and the k drafts, read from the
+draft's output on the device, the KDA layers keeping their per-token inputs; its read-back is the round's sync) and
+its `rollback` (every row's KDA states back to its kept tokens, cache.py `rollback_kda`). With `graphs` each is
+captured per (B, P, T) bucket as the step is; the rollback the first time a verification of its bucket is rolled
+back, as a graph that reads the verification graph's kept tensors.
+
 The reference is the engine's general path (runner.py `ModelRunner.forward` over `paged_cache`, then
-`sample_tokens`); tests/serve/test_static.py checks that both give the same logits for ragged batches whose
-requests join and leave between steps.
+`sample_tokens`; for a speculative round, the forward keeping the KDA inputs and `rollback_kda`);
+tests/serve/test_static.py checks that both give the same logits for ragged batches whose requests join and leave
+between steps, and after a verification and its rollback.
 """
 
 from __future__ import annotations
@@ -245,8 +255,9 @@ class StaticDecoder:
         self.graphs = graphs
         self.layer_types = model.config.layer_types
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
-        self.captured: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.rollbacks: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}  # per verify bucket
+        # keyed by (kind, B, P, T, greedy_only), kind "decode", "draft" or "verify" (`_launch`)
+        self.captured: dict[tuple[str, int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.rollbacks: dict[tuple[str, int, int, int, bool], torch.cuda.CUDAGraph] = {}  # per verify bucket
         self._verified: tuple | None = None  # the last `verify`'s (bucket key, buffers, saved), for `rollback`
         self.mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
@@ -444,8 +455,9 @@ class StaticDecoder:
     def rollback(self, keep: list[int]) -> None:
         """After `verify`: row b's KDA states back to its state before the verification plus its first keep[b]
         tokens (the engine rolls the lengths back; the MLA latents past a row's length are never read). Captured
-        per bucket the first time (its warmup runs the same rollback: it writes what it reads, so running it more
-        than once changes nothing)."""
+        per bucket the first time. NOTE: its warmup really runs the rollback (twice) on this round's rows, and that is
+        harmless: it reads only the verification's kept tensors (committed states, per-token inputs) and `keep`, never
+        the rows it writes, so every run writes the same states."""
         key, buf, saved = self._verified
         rows = torch.zeros(buf.B, dtype=torch.long)
         rows[:len(keep)] = torch.tensor(keep)

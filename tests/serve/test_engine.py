@@ -227,6 +227,39 @@ def test_fast_speculation_accepts_what_the_general_round_accepts(device):
         assert abs(fast_accepted - accepted) <= 0.1 * drafted, (fast_accepted, accepted, drafted)
 
 
+def test_fast_speculation_with_sampled_rows_and_requests_joining_between_rounds():
+    """On the fast path with a draft, a batch with a sampled row runs the general round over the slot pools and an
+    all-greedy batch the static one; requests join between rounds (prompts of different lengths, small prefill
+    chunks) and leave mid-round (max_tokens). Both kinds of round alternate on the same slots, and every request's
+    tokens and logprobs equal the general path's (fp32, CPU: the sampled row draws from its own generator in both)."""
+    model = small_model("k3", seed=1)
+    draft = early_exit_draft(model, 3)
+    prompts = [list(range(3, 10)), list(range(40, 43)), list(range(60, 75)), list(range(90, 95))]
+    params = [SamplingParams(max_tokens=14, **GREEDY), SamplingParams(max_tokens=5, temperature=0.9, seed=7,
+                                                                           stop_token_ids=()),
+              SamplingParams(max_tokens=9, **GREEDY), SamplingParams(max_tokens=11, **GREEDY)]
+    results, counts = {}, {}
+    for fast in (False, True):
+        engine = Engine(model, EngineConfig(page_size=4, num_pages=200, num_draft_tokens=3, prefill_chunk=4,
+                                            fast_decode=fast, prefix_cache=False), draft=draft)
+        reqs = [engine.submit(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+        for _ in range(6):
+            engine.step()
+        reqs.append(engine.submit(prompts[3], params[3]))  # joins while the others are mid-decode
+        while engine.has_work():
+            engine.step()
+        results[fast] = [(r.output, r.logprobs, r.finish_reason) for r in reqs]
+        counts[fast] = engine.counters["accepted_tokens"], engine.counters["draft_tokens"]
+        if fast:
+            verifications = engine.target.decoder.counters["static_steps"]
+            assert 0 < verifications < engine.counters["spec_rounds"]  # both kinds of round ran
+            assert engine.pool.reserved == 0 and len(engine.target.slots.free) == len(engine.drafter.slots.free)
+    for (out, lps, reason), (fast_out, fast_lps, fast_reason) in zip(results[False], results[True]):
+        assert fast_out == out and fast_reason == reason == "length"
+        assert max(abs(a - b) for a, b in zip(lps, fast_lps)) < 1e-4
+    assert counts[True] == counts[False] and 0 < counts[True][0] < counts[True][1]  # the draft's states agree too
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
     """The first emitted token of a speculative round is distributed as the target's p, whatever the draft's q."""
     g = torch.Generator().manual_seed(0)

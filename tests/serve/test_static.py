@@ -555,17 +555,31 @@ def test_the_draft_run_equals_greedy_steps_and_restores_rows_to_their_own_step()
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
 def test_the_verification_rollback_and_draft_run_have_no_host_sync(family):
     """Like the decode step: the verification, its rollback and the draft run (k + 1 steps) run no op that reads a
-    device value back, so each can be captured as a CUDA graph."""
+    device value back, so each can be captured as a CUDA graph. Each leaves the scratch slots and the zero page
+    zero, which the bucket's padding row (3 rows in a bucket of 4) wrote into."""
     both = verify_both_ways(small_model(family, seed=4), keep=[2, 1, 4])
     decoder = both["fast"][2].decoder
     (buf,) = [b for (B, P, T), b in decoder.buffers.items() if T > 1]
+    assert buf.B == 4 and buf.slots[3] == 0  # a padding row
+    pool = decoder.slots
+
+    scratch = []  # after each run (read after the op count: a check of the values would sync)
+
+    def keep_scratch():
+        scratch.append([pool.recurrent_all[::pool.size + 1].clone(), pool.conv_all[::pool.size + 1].clone(),
+                        decoder.pool.mla[0].clone()])
+
     with torch.inference_mode(), OpNames() as ops:
         _, _, saved = decoder._verify_run(buf)
+        keep_scratch()
         decoder._rollback_run(buf, saved)
+        keep_scratch()
         decoder._draft_run(buf)
+        keep_scratch()
     bad = sorted({n for n in ops.names if n in SYNCING_OPS})
     assert not bad, bad
     assert len(ops.names) > 100
+    assert not any(t.any() for run in scratch for t in run)
 
 
 @cuda
@@ -579,3 +593,36 @@ def test_captured_verification_and_rollback_equal_the_general_round():
     assert rel_err(fast_logits, gen_logits) < 2e-2
     assert rel_err(fast_after, gen_after) < 2e-2
     assert runner.decoder.counters["graph_replays"] >= 3  # the verification, the rollback, the decode step
+
+
+def test_nan_state_fails_only_its_request_in_a_fast_speculative_round():
+    """A NaN in one running request's KDA slot (greedy rows, a draft: static speculative rounds) fails that request
+    alone in its round; the rows around it are rolled back and restored as usual and decode exactly as without it,
+    and a request that later takes the freed slot starts from its own clean state."""
+    from openk3.serve.engine import Engine, EngineConfig, early_exit_draft
+
+    model = small_model("k3", seed=5)
+    cfg = EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=16, fast_decode=True,
+                       prefix_cache=False, num_draft_tokens=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=())
+
+    def engine():
+        return Engine(model, cfg, draft=early_exit_draft(model, 3))
+    clean = [r.output for r in engine().generate(prompts, params)]
+    spec = engine()
+    reqs = [spec.submit(p, params) for p in prompts]
+    while len(spec.running) < 3:
+        spec.step()
+    spec.step()
+    rounds, emitted = spec.counters["spec_rounds"], list(reqs[1].output)
+    spec.target.slots.recurrent[0][spec.target.rows[spec.running.index(reqs[1])]] = float("nan")
+    while spec.has_work():
+        spec.step()
+    assert reqs[1].finish_reason == "error" and "NaN" in reqs[1].error
+    assert reqs[1].output == emitted == clean[1][:len(emitted)]  # its failed round emitted nothing
+    assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
+    assert spec.counters["spec_rounds"] > rounds + 1 and spec.counters["accepted_tokens"] < spec.counters["draft_tokens"]
+    assert spec.generate([prompts[1]], params)[0].output == clean[1]  # the NaN slot is clean for its next user
+    assert spec.pool.reserved == 0 and not spec.running and len(spec.target.slots.free) == 4
+    assert len(spec.drafter.slots.free) == 4 and spec.counters["finished"] == 4  # each request ended once
