@@ -39,10 +39,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from openk3.model.checkpoint import load_for_inference
-from openk3.model.model import K3ForCausalLM
+from openk3.model.model import RECURRENT_SEGMENT_TOKENS, K3ForCausalLM
 from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states, select_kda_rows
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
@@ -608,8 +609,12 @@ class Engine:
             r.draft_seq.length -= k + 1 - n
 
     def _speculate(self, outputs: list[StepOutput]) -> None:
-        """One speculative round for the whole batch (module docstring, step 4)."""
-        if self.fast and all(r.params.greedy for r in self.running):
+        """One speculative round for the whole batch (module docstring, step 4). On the fast path a batch of greedy
+        rows runs static steps (`_speculate_static`) while k + 1 tokens run the KDA recurrence token by token
+        (model.py RECURRENT_SEGMENT_TOKENS): a longer verification would put the chunked kernel in the captured
+        step, which no test has captured."""
+        static = self.cfg.num_draft_tokens + 1 <= RECURRENT_SEGMENT_TOKENS
+        if self.fast and static and all(r.params.greedy for r in self.running):
             self._speculate_static(outputs)
             return
         reqs, k = self.running, self.cfg.num_draft_tokens
@@ -628,9 +633,15 @@ class Engine:
             if i == k:
                 break
             greedy = logits.argmax(-1).tolist()
+            draft_finite = torch.isfinite(logits).all(-1).tolist()
             for b, r in enumerate(reqs):
                 if r.params.greedy:
                     drafted[b].append(greedy[b])
+                elif not draft_finite[b]:
+                    # a draft that produced NaN proposes token 0 for sure (q one-hot): acceptance then still emits
+                    # exactly the target's distribution; multinomial on NaN would raise and stop every request
+                    q_probs[b].append(F.one_hot(torch.tensor(0, device=self.device), logits.shape[-1]).float())
+                    drafted[b].append(0)
                 else:
                     q = filtered_probs(logits[b], r.params)
                     q_probs[b].append(q)
@@ -639,10 +650,14 @@ class Engine:
 
         verify = [[r.output[-1]] + d for r, d in zip(reqs, drafted)]
         logits = self._forward(self.model, self.pool, [r.seq for r in reqs], self.target.kda, verify)  # [B, k+1, V]
+        finite = self._finite(logits.flatten(1), reqs, outputs)  # a row failing at any position fails alone
         logprobs = torch.log_softmax(logits, -1)
         argmax = logits.argmax(-1).tolist()
         keep = []
         for b, r in enumerate(reqs):
+            if not finite[b]:
+                keep.append(k + 1)  # (the row leaves the batch below; its states are not read again)
+                continue
             if r.params.greedy:
                 emitted = accept_draft(drafted[b], logits[b], None, argmax[b], None)
             else:
@@ -652,7 +667,7 @@ class Engine:
             lps = logprobs[b, positions, torch.tensor(emitted, device=self.device)].tolist()
             keep.append(self._emit(r, emitted, lps, outputs))
             self.counters["accepted_tokens"] += len(emitted) - 1
-        self.counters["decode_tokens"] += sum(keep)
+            self.counters["decode_tokens"] += keep[-1]
         # Roll both models back to the kept tokens.
         self._end_round(reqs, keep, k)
         if min(keep) < k + 1:
@@ -662,6 +677,7 @@ class Engine:
                                                      for name in parts[0]} for parts in draft_inputs], keep_B)
         self.target.end_speculation()
         self.drafter.end_speculation()
+        self._leave([b for b, ok in enumerate(finite) if not ok])
         self._retire(outputs)
 
     # ---- outputs and endings

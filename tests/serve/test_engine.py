@@ -554,6 +554,42 @@ def test_nan_logits_fail_only_their_request(after, lengths):
     assert engine.generate([prompts[0]], params)[0].output == clean[0]
 
 
+@pytest.mark.parametrize("poisoned", ["target", "draft"])
+def test_nan_logits_in_a_sampled_speculative_round(poisoned):
+    """The general speculative round with sampled rows: NaN target logits (at any of the k + 1 verified positions)
+    end that request alone with finish_reason "error", its neighbours decoding as without it; NaN draft logits
+    stop nothing (the row proposes token 0 for sure, which acceptance handles exactly) and the request runs to its
+    length. Before, torch.multinomial raised on either and stopped every request."""
+    model = small_model("k3")
+    prompts = [list(range(5 + 10 * i, 9 + 10 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())
+
+    def engine():
+        return Engine(model, EngineConfig(page_size=4, num_pages=300, num_draft_tokens=3, fast_decode=False),
+                      draft=early_exit_draft(model, 3))
+    clean = [r.output for r in engine().generate(prompts, params)]
+    eng = engine()
+    reqs = [eng.submit(p, params) for p in prompts]
+    forward = eng._forward
+
+    def poisoned_forward(model, pool, seqs, kda, tokens, logits_to_keep=0):
+        logits = forward(model, pool, seqs, kda, tokens, logits_to_keep)
+        seq = reqs[1].seq if poisoned == "target" else reqs[1].draft_seq
+        for b, s in enumerate(seqs):
+            if s is seq and len(reqs[1].output) >= 2 and logits.shape[1] > 1 - (poisoned == "draft"):
+                logits[b] = float("nan")
+        return logits
+    eng._forward = poisoned_forward
+    while eng.has_work():
+        eng.step()
+    if poisoned == "target":
+        assert reqs[1].finish_reason == "error" and "NaN" in reqs[1].error
+        assert [reqs[0].output, reqs[2].output] == [clean[0], clean[2]]
+    else:
+        assert reqs[1].finish_reason == "length" and len(reqs[1].output) == 8
+    assert eng.pool.reserved == 0 and not eng.running
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["general", "fast"])
 def test_equal_length_chunks_prefill_as_one_forward(fast):
     """Prompts whose prefill chunks have the same length run as one [G, T] forward (a group), also when their cached
