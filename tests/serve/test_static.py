@@ -26,6 +26,28 @@ def test_buckets():
     assert [page_bucket(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
 
 
+def test_step_buffers_fill_lays_out_every_input():
+    """`StepBuffers.fill` for 2 rows of T = 3 tokens in a bucket of 4: each token's id, page and offset (crossing a
+    page), the per-row inputs, the floats and the page table where the views read them; padding rows all zero."""
+    from types import SimpleNamespace
+
+    from openk3.serve.static import StepBuffers
+
+    seqs = [SimpleNamespace(length=3, pages=[7, 9]), SimpleNamespace(length=0, pages=[5])]
+    buf = StepBuffers(4, 2, 4, "cpu", T=3)
+    buf.ints.fill_(-1), buf.table.fill_(-1), buf.floats.fill_(-1)  # stale values a fill must overwrite
+    buf.fill(seqs, [2, 6], [[10, 11, 12], [20, 21, 22]], 4, dict(top_k=[3, 0], seed=[8, 9]), [[0.5, 0.0], [0.9, 1.0]])
+    assert buf.ids.tolist() == [[10, 11, 12], [20, 21, 22], [0, 0, 0], [0, 0, 0]]
+    assert buf.write_page.tolist() == [[7, 9, 9], [5, 5, 5], [0, 0, 0], [0, 0, 0]]  # positions 3, 4, 5 and 0, 1, 2
+    assert buf.write_offset.tolist() == [[3, 0, 1], [0, 1, 2], [0, 0, 0], [0, 0, 0]]
+    assert buf.slots.tolist() == [2, 6, 0, 0] and buf.lengths.tolist() == [3, 0, 0, 0]
+    assert buf.top_k.tolist() == [3, 0, 0, 0] and buf.seed.tolist() == [8, 9, 0, 0]
+    assert buf.counter.tolist() == [0, 0, 0, 0] and buf.keep.tolist() == [0, 0, 0, 0]
+    assert buf.temperature.tolist() == [0.5, 0.0, 0.0, 0.0] and buf.top_p.tolist() == [0.9, 1.0, 0.0, 0.0]
+    assert buf.table.tolist() == [[7, 9], [5, 0], [0, 0], [0, 0]]
+    assert buf.mask()[:2, 0, :, :].sum(-1).tolist() == [[4, 5, 6], [1, 2, 3]]  # keys 0..length + t
+
+
 def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
     """Drive a reference runner and other runners through the same schedule: prompts prefilled at B = 1,
     joining the batch at different steps, leaving when their budget runs out (so the batch crosses buckets and
