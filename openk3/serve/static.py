@@ -126,7 +126,7 @@ class SlotPool:
         rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does);
         `gather_recurrent=False` leaves the recurrent rows out of it (fla's decode kernel updates them in the pool
         in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written)."""
-        rows = self.layer_rows + slots[None, :]  # [L, B]: the batch's rows in the pools, layer by layer
+        rows = self.rows(slots)
         L = rows.shape[0]
         conv = rec = [None] * L
         if gather:
@@ -137,17 +137,21 @@ class SlotPool:
         return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c)
                 for i, r, c in zip(rows.unbind(0), rec, conv)]
 
+    def rows(self, slots: Tensor) -> Tensor:
+        """[L, B]: the rows in the pools of the slots [B], layer by layer."""
+        return self.layer_rows + slots[None, :]
+
     def snapshot(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """A copy of every layer's rows at `slots` [B]: (recurrent [L * B, H, K, K], conv [L * B, W-1, 3*H*K]), layer
         by layer (a speculative draft's states after one of its steps, for `restore`)."""
-        rows = (self.layer_rows + slots[None, :]).view(-1)
+        rows = self.rows(slots).view(-1)
         return self.recurrent_all.index_select(0, rows), self.conv_all.index_select(0, rows)
 
     def restore(self, slots: Tensor, snapshot: tuple[Tensor, Tensor], batch_rows: Tensor) -> None:
         """Write rows `batch_rows` of a `snapshot` (taken of a batch of B rows) back to their slots `slots`
         (len(batch_rows) of them), every layer."""
         L = self.layer_rows.shape[0]
-        rows = (self.layer_rows + slots[None, :]).view(-1)
+        rows = self.rows(slots).view(-1)
         for pool, snap in zip((self.recurrent_all, self.conv_all), snapshot):
             pool.index_copy_(0, rows, snap.view(L, -1, *snap.shape[1:])[:, batch_rows].flatten(0, 1))
 
@@ -312,8 +316,8 @@ class StaticDecoder:
         """Model forward over T tokens a row (a speculative verification), keeping what `_rollback_run` needs ->
         ([4, B, T] float64: the greedy token after each position, its logprob, whether the row's logits were all
         finite, the token fed there; the fp32 logits [B, T, V]; (the layers' slot states, their committed states,
-        their per-token inputs)). The KDA layers run the reference chain (`keep_inputs`), from every layer's rows gathered in one op:
-        those gathered rows are the committed states."""
+        their per-token inputs)). The KDA layers run the reference chain (`keep_inputs`), from every layer's rows
+        gathered in one op: those gathered rows are the committed states."""
         kda = self.slots.view(buf.slots, gather=True)
         committed = [KDAState(s.recurrent, s.conv) for s in kda]
         logits = self.model(buf.ids, cache=self._cache(buf, kda), keep_inputs=True, validate=False).logits.float()
@@ -423,8 +427,8 @@ class StaticDecoder:
         drafts), as one run without a host sync (`_draft_run`). Grows the page tables and advances the lengths by
         k + 1. -> (the drafted tokens [n, k] on the device, for `verify`; the states after steps 1..k, for
         `SlotPool.restore`: each the snapshot of the bucket's B rows, of which the first n are the batch)."""
-        key, buf, (drafted, snapshots) = self._launch("draft", self._draft_run, seqs, slots,
-                                                      [[t] * (k + 1) for t in pending], True)
+        _, _, (drafted, snapshots) = self._launch("draft", self._draft_run, seqs, slots,
+                                                  [[t] * (k + 1) for t in pending], True)
         for s in seqs:
             s.length += k + 1
         return drafted[:len(seqs)], snapshots
