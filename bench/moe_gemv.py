@@ -1,7 +1,7 @@
 """Routed experts at decode sizes on CUDA: the grouped matmul against the Triton GEMV kernels (issue #12).
 
     python bench/moe_gemv.py                                   # kimi-linear-1.5b experts, T = 1, 4, 16, 64
-    python bench/moe_gemv.py --tokens 1 4 --blocks 8,256,8,512 16,128,8,256
+    python bench/moe_gemv.py --tokens 1 4 --blocks 8,256,8,512 16,128,8,256 --layers 15
 
 For each token count T, one MoE layer's routed experts (E experts, top-K, F x D; default kimi-linear-1.5b's
 32 / 4 / 512 x 1536; bf16, the dtype the grouped matmul is one capturable kernel in) with a random router's choice
@@ -40,10 +40,12 @@ def situ(gate, up):
 situ.glu = GLUSpec("situ", 4.0, 25.0)
 
 
-def parse_blocks(text: str) -> tuple[int, int, int, int]:
+def parse_blocks(text: str) -> tuple[int, ...]:
+    """BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 and optionally the two kernels' warps: powers of two."""
     parts = text.split(",")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"--blocks {text!r}: expected four powers of two, e.g. 8,256,8,512")
+    if len(parts) not in (4, 6) or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--blocks {text!r}: expected four (or six, with the two kernels' warps) "
+                                         f"powers of two, e.g. 8,256,8,512 or 8,256,8,512,4,4")
     return tuple(int(p) for p in parts)
 
 
@@ -112,6 +114,9 @@ def main() -> None:
     p.add_argument("--blocks", type=parse_blocks, nargs="+", default=[None],
                    help="GEMV tile sets BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 (default: the module's)")
     p.add_argument("--calls", type=int, default=20, help="calls per timing (and per captured graph)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="copies of the weights the calls cycle over (15: kimi-linear-1.5b's MoE layers, which "
+                        "read their experts from memory; 1: each call re-reads what the last one left in L2)")
     p.add_argument("--repeats", type=int, default=20, help="timings; the best is reported")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "moe_gemv.json")
     args = p.parse_args()
@@ -120,7 +125,8 @@ def main() -> None:
     ok, why = moe_gemv.gemv_supported("cuda", torch.bfloat16)
     if not ok:
         raise SystemExit(f"the GEMV kernels cannot run here: {why}")
-    for name, value in (("--tokens", min(args.tokens)), ("--calls", args.calls), ("--repeats", args.repeats)):
+    for name, value in (("--tokens", min(args.tokens)), ("--calls", args.calls), ("--repeats", args.repeats),
+                        ("--layers", args.layers)):
         if value < 1:
             raise SystemExit(f"{name} must be >= 1, got {value}")
     if args.topk > args.experts:
@@ -142,10 +148,19 @@ def main() -> None:
             distinct = torch.unique(idx).numel()  # one readback, outside the timed calls
             weight_bytes = distinct * 3 * F * D * w1.element_size()
             y_grouped = moe_experts_grouped(x, idx, w, w1, w2, w3, act)
-            paths = [("grouped", lambda: moe_experts_grouped(x, idx, w, w1, w2, w3, act), None)]
+            # --layers: the calls cycle over that many copies of the weights (as a step's MoE layers do), so that a
+            # call reads its experts from memory, not from the L2 cache the previous call filled
+            weights = [(w1, w2, w3)] + [tuple(t.clone() for t in (w1, w2, w3)) for _ in range(args.layers - 1)]
+            turn = iter(range(10 ** 12))
+
+            def cycled(run):
+                return lambda: run(*weights[next(turn) % len(weights)])
+            paths = [("grouped", cycled(lambda a, b, c: moe_experts_grouped(x, idx, w, a, b, c, act)), None)]
             for blocks in args.blocks:
                 label = "gemv " + ",".join(map(str, blocks or default_blocks))
-                paths.append((label, lambda b=blocks: moe_experts_gemv(x, idx, w, w1, w2, w3, act, blocks=b), blocks))
+                tiles, warps = (blocks[:4], blocks[4:] or None) if blocks else (None, None)
+                paths.append((label, cycled(lambda a, b, c, t=tiles, n=warps: moe_experts_gemv(
+                    x, idx, w, a, b, c, act, blocks=t, warps=n)), blocks))
             for label, fn, blocks in paths:
                 y = fn()
                 err = ((y.double() - y_grouped.double()).norm() / y_grouped.double().norm()).item()

@@ -356,7 +356,9 @@ class KimiDeltaAttention(nn.Module):
         # step wrote wrong conv tails on the H200 (right on the CPU; docs/engine.md "The compiled step and fla");
         # the reference chain traces whole and matches an uncached forward there
         if backend.fused and (state is None or not keep_inputs):
-            if state is not None and B * T <= RECURRENT_MAX_TOKENS and not torch.compiler.is_compiling():
+            token_by_token = state is not None and B * T <= RECURRENT_MAX_TOKENS \
+                and not (state.chunked and T > RECURRENT_SEGMENT_TOKENS)
+            if token_by_token and not torch.compiler.is_compiling():
                 return self.forward_fused(x, cu_seqlens, state, recurrent=True)
             if state is None or T > 1:
                 return self.forward_fused(x, cu_seqlens, state)

@@ -27,6 +27,10 @@ class KDAState:
     recurrent: Tensor
     conv: Tensor
     inputs: dict[str, Tensor] | None = None
+    # a forward from this state over more than RECURRENT_SEGMENT_TOKENS new tokens runs fla's chunked kernel, also
+    # where a cached forward of that length runs the token-by-token one (model.py RECURRENT_MAX_TOKENS): that choice
+    # saves chunk_kda's host time, which a forward captured in a CUDA graph does not pay (serve/static.py `prefill`)
+    chunked: bool = False
 
     @classmethod
     def zeros(cls, config: K3Config, batch: int, device=None, dtype=torch.float32) -> "KDAState":
@@ -105,10 +109,11 @@ class SlotKDAState:
     there; whoever pads (the static step) zeroes the scratch slot again after its forward (`SlotPool.clear_scratch`)."""
 
     def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, rows: Tensor, recurrent: Tensor | None = None,
-                 conv: Tensor | None = None):
+                 conv: Tensor | None = None, chunked: bool = False):
         self.recurrent_pool, self.conv_pool, self.rows = recurrent_pool, conv_pool, rows
         self._gathered = {"recurrent": recurrent, "conv": conv}
         self.inputs: dict[str, Tensor] | None = None
+        self.chunked = chunked  # see KDAState.chunked
 
     def pool_rows(self) -> tuple[Tensor, Tensor]:
         """(the recurrent pool [N, H, K, K] fp32, the batch's rows in it [B]) for a kernel that updates the rows in

@@ -63,6 +63,7 @@ GEMV_MAX_SLOTS = 64
 # times other tiles (--blocks).
 BLOCK_F, BLOCK_D1 = 8, 256  # kernel 1: F rows of w1/w3 x D
 BLOCK_D, BLOCK_F2 = 8, 512  # kernel 2: D rows of w2 x F
+WARPS = (4, 4)  # warps a program of kernel 1, kernel 2 (Triton's default)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -209,12 +210,14 @@ def moe_experts_gemv(
     act: Activation,
     weight_fn: WeightFn | None = None,
     blocks: tuple[int, int, int, int] | None = None,
+    warps: tuple[int, int] | None = None,
 ) -> Tensor:
     """Same as moe_experts_loop (forward only), with the two Triton kernels of the module docstring.
 
     x_TD: [T, D]. topk_idx_TK: [T, K]. topk_w_TK: [T, K]. w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
     act: a callable `glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
-    blocks: (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two), for the bench; None = the module's.
+    blocks: (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two), warps: the warps of a program of each
+    kernel; for the bench; None = the module's (BLOCK_*, WARPS).
     Raises ValueError where the kernels cannot run (gemv_supported), for an activation they do not know, a
     weight_fn, or inputs that need a gradient (nothing here is differentiable).
     """
@@ -243,9 +246,12 @@ def moe_experts_gemv(
     h_SF = torch.empty((T * K, F), dtype=x_TD.dtype, device=x_TD.device)
     y_TD = torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
     situ = spec.kind == "situ"
+    warps1, warps2 = warps or WARPS
     _gate_up_kernel[(T * K, triton.cdiv(F, block_f))](
         x_TD, idx_S, w1_EFD, w3_EFD, h_SF, E, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
-        SITU=situ, beta=float(spec.beta), linear_beta=float(spec.linear_beta), BLOCK_F=block_f, BLOCK_D=block_d1)
+        SITU=situ, beta=float(spec.beta), linear_beta=float(spec.linear_beta), BLOCK_F=block_f, BLOCK_D=block_d1,
+        num_warps=warps1)
     _down_kernel[(T, triton.cdiv(D, block_d))](
-        h_SF, idx_S, w_S, w2_EDF, y_TD, E, F, D, K, *w2_EDF.stride(), BLOCK_D=block_d, BLOCK_F=block_f2)
+        h_SF, idx_S, w_S, w2_EDF, y_TD, E, F, D, K, *w2_EDF.stride(), BLOCK_D=block_d, BLOCK_F=block_f2,
+        num_warps=warps2)
     return y_TD

@@ -31,6 +31,10 @@ from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, ne
 from openk3.serve.sampler import SamplingParams
 from openk3.serve.static import SlotPool, StaticDecoder
 
+# The longest prefill chunk (tokens a row) the fast path runs as static runs (`ModelRunner(static_prefill=)`): the
+# engine's default `prefill_chunk`, so a short prompt or the new tokens of a turn after a prefix hit run captured
+STATIC_PREFILL_TOKENS = 512
+
 
 class ModelRunner:
     """Runs `model` (on its own device and dtype) over ragged batches of paged sequences.
@@ -40,12 +44,15 @@ class ModelRunner:
     no batch statistics; `recomputed` checks torch.is_grad_enabled(), not the mode)."""
 
     def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int, slots: int | None = None,
-                 graphs: bool = False, compile: bool | str = False, fuse: bool = False):
+                 graphs: bool = False, compile: bool | str = False, fuse: bool = False,
+                 static_prefill: bool | None = None):
         """slots: run the fast decode path with a KDA slot pool for that many running sequences (None: the
         general path); graphs: capture its steps as CUDA graphs (CUDA only); compile: torch.compile the step
         first (True, or a torch.compile backend name; `StaticDecoder`); fuse: compute each module's input
         projections with one matmul over a stacked copy of their weights (openk3/model/fused.py), refreshed before
-        every forward so that in-place weight updates (RL, `Engine.load_weights`) are seen."""
+        every forward so that in-place weight updates (RL, `Engine.load_weights`) are seen; static_prefill: run
+        prefill chunks of at most STATIC_PREFILL_TOKENS tokens as static runs on the fast path (`forward`); None =
+        where they are captured (`graphs`): eagerly they only cost more forwards."""
         self.model = model
         self.fused: FusedProjections | None = fuse_projections(model) if fuse else None
         weight = model.lm_head.weight
@@ -54,6 +61,7 @@ class ModelRunner:
         self.slots = SlotPool(model.config, slots, self.device, self.dtype) if slots is not None else None
         self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
             if slots is not None else None
+        self.static_prefill = self.decoder is not None and (graphs if static_prefill is None else static_prefill)
         self.rows: list[int] = []  # fast path: the slot of each row of the decode batch (slot ids, not the pools' rows)
         self.kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
         if self.slots is not None:
@@ -72,6 +80,9 @@ class ModelRunner:
         image_features: the vision vectors of the `<|media_pad|>` slots among `tokens` (K3ForConditionalGeneration).
         NOTE: `tokens` must lie in the vocabulary; they are not checked here (the engine checks them at submit)."""
         T = len(tokens[0])
+        if (self.static_prefill and logits_to_keep == 1 and image_features is None and T <= STATIC_PREFILL_TOKENS
+                and not self.speculating and len(self.slots.free) >= len(seqs)):
+            return self._prefill_static(seqs, kda, tokens)
         cache = paged_cache(self.pool, kda, seqs, T)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         images = {} if image_features is None else {"image_features": image_features}
@@ -85,6 +96,19 @@ class ModelRunner:
         for s in seqs:
             s.length += T
         return logits.float()
+
+    def _prefill_static(self, seqs: list[PagedSeq], kda: list[KDAState], tokens: list[list[int]]) -> Tensor:
+        """`forward` of a prefill chunk (the last token's logits kept) through the fast path's static runs
+        (`StaticDecoder.prefill`): the rows' KDA states go into free slots of the pool for the chunk and come back
+        out after it (two copies of each kind)."""
+        slots = [self.slots.take(kda, b) for b in range(len(seqs))]
+        try:
+            logits = self.decoder.prefill(seqs, slots, tokens)
+            self.slots.read(slots, kda)
+        finally:
+            for slot in slots:
+                self.slots.give(slot)
+        return logits
 
     # ---- the decode batch's KDA states
     def join(self, states: list[KDAState]) -> None:

@@ -108,24 +108,35 @@ class SlotPool:
         self.size = slots
         self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
 
-    def take(self, states: list[KDAState]) -> int:
-        """A free slot, holding row 0 of `states` (a prefilled request's batch-1 states, one per KDA layer)."""
+    def take(self, states: list[KDAState], row: int = 0) -> int:
+        """A free slot, holding row `row` of `states` (one per KDA layer; a prefilled request's batch-1 states)."""
         if not self.free:
             raise RuntimeError(f"all {self.size} KDA slots are in use")
         slot = self.free.pop()
-        for rec, conv, s in zip(self.recurrent, self.conv, states):
-            rec[slot] = s.recurrent[0]
-            conv[slot] = s.conv[0].to(conv.dtype)
+        rows = self.rows(torch.tensor([slot], device=self.layer_rows.device))[:, 0]  # [L]
+        self.recurrent_all.index_copy_(0, rows, torch.stack([s.recurrent[row] for s in states]))
+        self.conv_all.index_copy_(0, rows, torch.stack([s.conv[row] for s in states]).to(self.conv_all.dtype))
         return slot
+
+    def read(self, slots: list[int], states: list[KDAState]) -> None:
+        """Set `states` (one per KDA layer, a batch of len(slots) rows) to the slots' states, row b from slots[b]:
+        two gathers, then views of them (the conv tails in the states' own dtype)."""
+        rows = self.rows(torch.tensor(slots, device=self.layer_rows.device))  # [L, B]
+        recurrent = self.recurrent_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.recurrent_all.shape[1:])
+        conv = self.conv_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.conv_all.shape[1:])
+        for s, r, c in zip(states, recurrent.unbind(0), conv.unbind(0)):
+            s.recurrent, s.conv = r, c.to(s.conv.dtype)
 
     def give(self, slot: int) -> None:
         self.free.append(slot)
 
-    def view(self, slots: Tensor, gather: bool = False, gather_recurrent: bool = True) -> list[SlotKDAState]:
+    def view(self, slots: Tensor, gather: bool = False, gather_recurrent: bool = True,
+             chunked: bool = False) -> list[SlotKDAState]:
         """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer. `gather`: read every layer's
         rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does);
         `gather_recurrent=False` leaves the recurrent rows out of it (fla's decode kernel updates them in the pool
-        in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written)."""
+        in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written). `chunked`: see
+        `KDAState.chunked`."""
         rows = self.rows(slots)
         L = rows.shape[0]
         conv = rec = [None] * L
@@ -134,7 +145,7 @@ class SlotPool:
             if gather_recurrent:
                 rec = self.recurrent_all.index_select(0, rows.view(-1)) \
                     .view(*rows.shape, *self.recurrent_all.shape[1:]).unbind(0)
-        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c)
+        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c, chunked)
                 for i, r, c in zip(rows.unbind(0), rec, conv)]
 
     def rows(self, slots: Tensor) -> Tensor:
@@ -255,7 +266,7 @@ class StaticDecoder:
         self.graphs = graphs
         self.layer_types = model.config.layer_types
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
-        # keyed by (kind, B, P, T, greedy_only), kind "decode", "draft" or "verify" (`_launch`)
+        # keyed by (kind, B, P, T, greedy_only), kind "decode", "prefill", "draft" or "verify" (`_launch`)
         self.captured: dict[tuple[str, int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.rollbacks: dict[tuple[str, int, int, int, bool], torch.cuda.CUDAGraph] = {}  # per verify bucket
         self._verified: tuple | None = None  # the last `verify`'s (bucket key, buffers, saved), for `rollback`
@@ -329,6 +340,15 @@ class StaticDecoder:
         out = torch.stack([tokens, logprobs, finite, buf.ids], out=out)
         return out, logits, (kda, committed, [s.inputs for s in kda])
 
+    def _prefill_run(self, buf: StepBuffers, greedy_only: bool = True) -> Tensor:
+        """Model forward over T prompt tokens a row (a piece of a prefill chunk, `prefill`) -> the fp32 logits of each
+        row's last token [B, V]. Its KDA layers run fla's chunked kernel over more than RECURRENT_SEGMENT_TOKENS
+        tokens (`KDAState.chunked`): captured, it costs no host time."""
+        kda = self.slots.view(buf.slots, gather=True, chunked=True)
+        logits = self.model(buf.ids, cache=self._cache(buf, kda), logits_to_keep=1, validate=False).logits[:, -1]
+        self._reset_padding()
+        return logits.float()
+
     def _draft_run(self, buf: StepBuffers, greedy_only: bool = True) -> tuple[Tensor, list]:
         """A speculative round's T = k + 1 greedy draft steps in one run, with no token read back in between: step
         i feeds the token step i - 1 chose (step 0 the pending token, `buf.ids[:, 0]`) at position length + i.
@@ -372,9 +392,9 @@ class StaticDecoder:
     def _launch(self, kind: str, run, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]],
                 greedy_only: bool, per_row: dict[str, list] | None = None, floats: list[list[float]] | None = None,
                 device_ids: Tensor | None = None):
-        """Run `run` (`_run`, `_verify_run` or `_draft_run`, named by `kind`) for a batch whose row b appends
-        tokens[b] to seqs[b] (its KDA state in slot slots[b]): grow the page tables, pick the bucket, capture it the
-        first time (graphs), copy the inputs in, replay (or run eagerly). `device_ids` [n, t]: the last t tokens of
+        """Run `run` (`_run`, `_prefill_run`, `_verify_run` or `_draft_run`, named by `kind`) for a batch whose row b
+        appends tokens[b] to seqs[b] (its KDA state in slot slots[b]): grow the page tables, pick the bucket, capture it
+        the first time (graphs), copy the inputs in, replay (or run eagerly). `device_ids` [n, t]: the last t tokens of
         every row, already on the device (a draft's tokens), copied over those of `tokens` without a host round
         trip. -> (the bucket's key, its buffers, what `run` returned). The lengths are left to the caller, which
         advances them after its read of the outputs."""
@@ -421,6 +441,25 @@ class StaticDecoder:
             s.length += 1
         sampled = [int(t) for t in result[0]], result[1], [f > 0 for f in result[2]]
         return (*sampled, logits[:n].clone()) if with_logits else sampled
+
+    def prefill(self, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]]) -> Tensor:
+        """A prefill chunk of T tokens a row (row b appends tokens[b] to seqs[b], its KDA state in slot slots[b]) as
+        static runs over the power-of-two pieces of T, largest first (T = 257: 256, then 1), so that the graphs of
+        log2(T) bucket lengths serve every chunk length without a padding token (which the KDA recurrence and conv
+        would take in). Grows the page tables and advances the lengths by T. -> the fp32 logits of every row's last
+        token [n, 1, V] (a copy). NOTE: a piece of 2^i tokens over a 32K-token context is one bucket (B, P, 2^i) per
+        page width P: a 257-token turn after a 32K prefix hit ran eagerly as ~1,000 kernel launches, host-bound
+        (docs/engine.md "Host time of a prefill and of a prefix hit")."""
+        T, start, logits = len(tokens[0]), 0, None
+        for i in reversed(range(T.bit_length())):
+            if not T >> i & 1:
+                continue
+            piece = [row[start:start + (1 << i)] for row in tokens]
+            _, _, logits = self._launch("prefill", self._prefill_run, seqs, slots, piece, True)
+            for s in seqs:
+                s.length += 1 << i
+            start += 1 << i
+        return logits[:len(seqs), None].clone()
 
     def draft(self, seqs: list[PagedSeq], slots: list[int], pending: list[int], k: int) -> tuple[Tensor, list]:
         """A speculative round's k + 1 greedy draft steps for every row (row b feeds pending[b], then its own k

@@ -329,6 +329,10 @@ def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool =
     cached = Engine(model, EngineConfig(num_pages=tiny_pool, fast_decode=fast, **shared))
     spec = Engine(model, EngineConfig(num_pages=tiny_pool, num_draft_tokens=k, fast_decode=fast, **shared),
                   draft=early_exit_draft(model, 3))
+    if fast:  # prefill chunks as static runs (by default only where captured), but the cold engine's, its reference
+        for runner in (cached.target, spec.target, spec.drafter):
+            runner.static_prefill = True
+        cold.target.static_prefill = False
     results = [run_conversations(e, convs, max_tokens) for e in (cold, cached, spec)]
     for turn in zip(*results):
         for c, h, s in zip(*turn):

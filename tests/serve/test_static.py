@@ -648,3 +648,64 @@ def test_nan_state_fails_only_its_request_in_a_fast_speculative_round():
     assert spec.generate([prompts[1]], params)[0].output == clean[1]  # the NaN slot is clean for its next user
     assert spec.pool.reserved == 0 and not spec.running and len(spec.target.slots.free) == 4
     assert len(spec.drafter.slots.free) == 4 and spec.counters["finished"] == 4  # each request ended once
+
+
+def prefill_both_ways(model, chunks: list[list[int]], graphs: bool = False,
+                      steps: int = 3) -> list[tuple]:
+    """Two rows (prompts of the same chunk lengths, so the chunks run as a group of 2 as the engine's
+    `_prefill_group` runs them) prefilled chunk by chunk, then joined and decoded greedily for `steps` steps, by the
+    general forward and by the fast path's static prefill (`ModelRunner(static_prefill=True)`). -> per runner
+    (every chunk's last-token logits [2, V] and every decode step's [2, V], stacked; the runner)."""
+    gen = torch.Generator().manual_seed(11)
+    V = model.config.vocab_size
+    prompts = [[torch.randint(0, V, (len(c),), generator=gen).tolist() for c in chunks] for _ in range(2)]
+    out = []
+    for kw in (dict(), dict(slots=8, graphs=graphs, static_prefill=True)):
+        runner = ModelRunner(model, num_pages=400, page_size=4, **kw)
+        total = sum(len(c) for c in chunks) + steps + 1
+        seqs, logits = [r_seq(runner, total) for _ in prompts], []
+        states = [runner.new_states() for _ in prompts]
+        from openk3.serve.cache import cat_kda_states, select_kda_rows
+        with torch.inference_mode():
+            batch = cat_kda_states(*states)
+            for i in range(len(chunks)):
+                logits.append(runner.forward(seqs, batch, [p[i] for p in prompts], logits_to_keep=1)[:, -1])
+            for b in range(2):
+                runner.join(select_kda_rows(batch, [b]))
+            tokens = logits[-1].argmax(-1).tolist()
+            for _ in range(steps):
+                step = greedy_step_logits(runner, seqs, tokens)
+                logits.append(step)
+                tokens = step.argmax(-1).tolist()
+        out.append((torch.stack(logits).float(), runner))
+    return out
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_static_prefill_equals_the_general_forward(family):
+    """The fast path's static prefill (power-of-two pieces in the slot pool: 23 = 16 + 4 + 2 + 1 tokens, 33 = 32 + 1,
+    whose 32 run the chunked kernel) gives the general forward's logits for every chunk of a 2-row group, its states
+    read back and joined decode as the general path's (fp32); the slots it borrowed are free again, the scratch slot
+    and the zero page clean."""
+    model = small_model(family, seed=5)
+    (gen, _), (fast, runner) = prefill_both_ways(model, [[0] * 23, [0] * 33, [0] * 1, [0] * 8])
+    assert rel_err(fast, gen) < 1e-5
+    assert runner.decoder.counters["static_steps"] == 4 + 2 + 1 + 1 + 3  # pieces of the 4 chunks, 3 decode steps
+    assert len(runner.slots.free) == 8 - 2  # the two joined rows hold a slot each
+    assert runner.slots.recurrent[0][0].abs().max() == 0 and runner.pool.storage[0].abs().max() == 0
+
+
+@pytest.mark.gpu
+def test_captured_prefill_equals_the_general_forward():
+    """On CUDA: the captured static prefill (the pieces as CUDA graphs; 300 = 256 + 32 + 8 + 4 tokens, the first two
+    through fla's chunked kernel in the graph, the others token by token) against the general forward, with a prefix
+    of 96 tokens before it: a dense-FFN model in fp32 (fla's TF32 dot products: 2e-2, as in the uncached-forward
+    test), and the MoE model in bf16, which the engine captures."""
+    model = small_model("k3", seed=5, dense=True).cuda()
+    (gen, _), (fast, runner) = prefill_both_ways(model, [[0] * 96, [0] * 300], graphs=True)
+    assert rel_err(fast, gen) < 2e-2
+    assert runner.decoder.counters["graph_replays"] >= 2 + 4
+    model = small_model("kimi-linear", seed=5).cuda().cast(torch.bfloat16)
+    (gen, _), (fast, runner) = prefill_both_ways(model, [[0] * 96, [0] * 300], graphs=True)
+    assert rel_err(fast, gen) < 5e-2
+    assert runner.decoder.counters["graph_replays"] >= 2 + 4
