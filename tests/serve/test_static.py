@@ -696,6 +696,7 @@ def test_static_prefill_equals_the_general_forward(family):
 
 
 @pytest.mark.gpu
+@cuda
 def test_captured_prefill_equals_the_general_forward():
     """On CUDA: the captured static prefill (the pieces as CUDA graphs; 300 = 256 + 32 + 8 + 4 tokens, the first two
     through fla's chunked kernel in the graph, the others token by token) against the general forward, with a prefix
