@@ -85,10 +85,16 @@ def outside_graph(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def fla_inference(x: Tensor) -> bool:
+    """Whether an op on x runs fla's forward-only kernel: inference (no grad, not inside torch.compile) where fla's
+    fused KDA backend runs (CUDA)."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling() and select_kda_backend(x.device).fused
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight with fp32 statistics, in x's dtype. F.rms_norm is one op (a fused
     kernel where torch has one) and on the CPU bit-identical to the three-op formula."""
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and select_kda_backend(x.device).fused:
+    if fla_inference(x):
         return kda_fused.rms_norm(x, weight, eps)  # inference with fla: one kernel instead of four (casts)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
@@ -101,6 +107,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return recomputed(rms_norm, x, self.weight, self.eps)
+
+    def add(self, x: Tensor, residual: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A sublayer's output x added to the residual stream, and the sum normed for the next sublayer: (this
+        norm of (residual + x) in `dtype`, residual + x in the residual's dtype, fp32). With fla at inference one
+        kernel instead of three (the add, the cast, the norm: a decode step of kimi-linear-1.5b runs 16 of them),
+        which norms the fp32 sum itself where the reference norms its rounding to `dtype`: one rounding fewer, ~1
+        ulp of `dtype` apart (ops/kda/fused.py `add_rms_norm`; the same in an fp32 model)."""
+        if fla_inference(x):
+            return kda_fused.add_rms_norm(x, residual, self.weight, self.eps, dtype)
+        h = residual + x
+        return self(h.to(dtype)), h
 
 
 def glu_activation(config: K3Config):
@@ -756,9 +773,9 @@ class DecoderLayer(nn.Module):
         # before it would, without that extra cast per sublayer (docs/engine.md "Fast decode path"). The residual
         # stays in the dtype `K3ForCausalLM.forward` gave it (fp32; an fp64 model's fp64), never narrower.
         if self.block_size is None:
-            h = prefix
-            h = h + self.mixer(self.input_layernorm(h.to(dtype)), ctx, layer_cache)
-            return h + self.ffn(self.post_attention_layernorm(h.to(dtype)), ctx), bank
+            a = self.mixer(self.input_layernorm(prefix.to(dtype)), ctx, layer_cache)
+            x, h = self.post_attention_layernorm.add(a, prefix, dtype)
+            return h + self.ffn(x, ctx), bank
         h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, "attn", ctx) if bank \
             else prefix
         if self.i % self.block_size == 0:

@@ -56,13 +56,14 @@ INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 GEMV_MAX_SLOTS = 64
 
 # Tile sizes: rows of a weight matrix x elements along the dot product that one program reads per step (the
-# latter capped at the dot product's length, rounded up to a power of two). NOTE: chosen, not tuned on a GPU: a
-# memory-bound GEMV needs many bytes in flight, so small row tiles for many programs (kimi-linear-1.5b at batch 1:
-# 4 slots x 512 / 8 = 256 programs in kernel 1, 1536 / 8 = 192 in kernel 2, whose K experts' loads are unrolled).
-# Compiled for sm_90 here (no GPU needed) they use 64 and 96 registers a thread, no spills. bench/moe_gemv.py
-# times other tiles (--blocks).
-BLOCK_F, BLOCK_D1 = 8, 256  # kernel 1: F rows of w1/w3 x D
-BLOCK_D, BLOCK_F2 = 8, 512  # kernel 2: D rows of w2 x F
+# latter capped at the dot product's length, rounded up to a power of two). A memory-bound GEMV needs many bytes in
+# flight: small row tiles for many programs (kimi-linear-1.5b at batch 1: 4 slots x 512 / 4 = 512 programs in
+# kernel 1, 1536 / 4 = 384 in kernel 2). Measured on one H200 (bench/moe_gemv.py --layers 15, each call reading its
+# experts from HBM as a decode step's MoE layers do; docs/engine.md "Routed experts at decode sizes"): both kernels
+# at batch 1 took 20.5 us with the first tiles chosen (8, 256, 8, 512), 12.9 us with these; 25.4 -> 23.5 us at 4
+# tokens, 62.1 -> 62.7 at 16.
+BLOCK_F, BLOCK_D1 = 4, 512  # kernel 1: F rows of w1/w3 x D
+BLOCK_D, BLOCK_F2 = 4, 512  # kernel 2: D rows of w2 x F
 WARPS = (4, 4)  # warps a program of kernel 1, kernel 2 (Triton's default)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

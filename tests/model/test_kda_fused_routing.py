@@ -71,10 +71,12 @@ def rms_norm_gated(o, gate, weight, bias, activation, eps):
     return (F.rms_norm(o.float(), (o.shape[-1],), weight.float(), eps) * torch.sigmoid(gate.float())).to(o.dtype)
 
 
-def layer_norm_fwd(x, weight, bias, eps, is_rms_norm):
+def layer_norm_fwd(x, weight, bias, eps, residual=None, out_dtype=None, is_rms_norm=False):
     contiguous(x=x)
     assert x.ndim == 2 and is_rms_norm and bias is None
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype), None, None, x
+    h = x if residual is None else residual + x  # fla's kernel: the fp32 sum, normed as it is
+    y = F.rms_norm(h.float(), (x.shape[-1],), weight.float(), eps).to(out_dtype or x.dtype)
+    return y, None, None, h
 
 
 @pytest.fixture

@@ -108,6 +108,26 @@ def test_rms_norm_equals_the_reference(dtype):
     assert rel_err(kda_fused.rms_norm(c, w[:40], 1e-5).float(), want.float()) < tol
 
 
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_equals_the_reference(dtype):
+    """fla's add + norm kernel against `RMSNorm.add`'s reference: the fp32 sum exactly (one fp32 add either way);
+    the norm of that sum within fp32's rounding, and within 1 ulp of `dtype` of the reference's norm of the sum
+    rounded to `dtype` (the one rounding the kernel leaves out)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 5, 48, generator=g) * 4).to(DEVICE, dtype)
+    residual = (torch.randn(3, 5, 48, generator=g) * 30).to(DEVICE)
+    w = (torch.rand(48, generator=g) + 0.5).to(DEVICE, dtype)
+    y, h = kda_fused.add_rms_norm(x, residual, w, 1e-5, dtype)
+    assert y.dtype == dtype and h.dtype == torch.float32 and y.shape == x.shape and h.shape == residual.shape
+    assert torch.equal(h, residual + x)
+    of_sum = F.rms_norm(h, (48,), w.float(), 1e-5)
+    assert rel_err(y.float(), of_sum) < (1e-6 if dtype == torch.float32 else 4e-3)
+    reference = F.rms_norm(h.to(dtype).float(), (48,), w.float(), 1e-5).to(dtype)
+    assert rel_err(y.float(), reference.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("tail_dtype", ["x", "fp32"])
 def test_conv_silu_one_token_equals_the_reference(dtype, bound, tail_dtype):

@@ -18,6 +18,7 @@ and chunk_gated also start from a cache's state (the conv tail, the recurrent st
     gated_rms_norm the per-head o_norm times sigmoid(output gate)
     rms_norm       model.py's rms_norm in one kernel, for inference (forward only): the eager decode step ran
                    three dtype casts around each of its ~37 norms (docs/engine.md "KDA from a cache, token by token")
+    add_rms_norm   a sublayer's output added to the fp32 residual stream and normed, in one kernel (inference)
     swiglu         ops/situ.py's swiglu (the Kimi-Linear MLPs and experts; K3's SiTU has no fla kernel)
 
 Arithmetic is fp32 inside the kernels, as in the reference; the results round once to the input dtype where
@@ -147,6 +148,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     with on_device(x):
         y, _, _, _ = layer_norm_fwd(x.reshape(-1, D).contiguous(), weight, None, eps, is_rms_norm=True)
     return y.view(x.shape)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(rms_norm(residual + x) in `dtype`, residual + x in the residual's dtype) with the sum and the statistics in
+    fp32 (model.py `RMSNorm.add`, whose reference norms the sum rounded to `dtype`); fla's layer-norm forward kernel
+    with its residual input, no autograd."""
+    from fla.modules.norm.layernorm import layer_norm_fwd
+
+    D = x.shape[-1]
+    with on_device(x):
+        y, _, _, h = layer_norm_fwd(x.reshape(-1, D).contiguous(), weight, None, eps,
+                                    residual=residual.reshape(-1, D).contiguous(), out_dtype=dtype, is_rms_norm=True)
+    return y.view(x.shape), h.view(residual.shape)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
