@@ -114,7 +114,8 @@ def test_rms_norm_equals_the_reference(dtype):
 def test_add_rms_norm_equals_the_reference(dtype):
     """fla's add + norm kernel against `RMSNorm.add`'s reference: the fp32 sum exactly (one fp32 add either way);
     the norm of that sum within fp32's rounding, and within 1 ulp of `dtype` of the reference's norm of the sum
-    rounded to `dtype` (the one rounding the kernel leaves out)."""
+    rounded to `dtype` (the one rounding the kernel leaves out); and `rms_norm` with `out_dtype` of the fp32 stream
+    itself (`RMSNorm.from_residual`)."""
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(3, 5, 48, generator=g) * 4).to(DEVICE, dtype)
     residual = (torch.randn(3, 5, 48, generator=g) * 30).to(DEVICE)
@@ -126,6 +127,8 @@ def test_add_rms_norm_equals_the_reference(dtype):
     assert rel_err(y.float(), of_sum) < (1e-6 if dtype == torch.float32 else 4e-3)
     reference = F.rms_norm(h.to(dtype).float(), (48,), w.float(), 1e-5).to(dtype)
     assert rel_err(y.float(), reference.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    y = kda_fused.rms_norm(h, w, 1e-5, out_dtype=dtype)  # RMSNorm.from_residual: the fp32 stream normed as it is
+    assert y.dtype == dtype and rel_err(y.float(), of_sum) < (1e-6 if dtype == torch.float32 else 4e-3)
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])

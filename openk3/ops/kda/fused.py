@@ -137,16 +137,17 @@ def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     return rms_norm_gated(o, gate.reshape(o.shape), weight, None, activation="sigmoid", eps=eps)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim with fp32 statistics, rounded once to x's dtype
-    (model.py `rms_norm`); fla's layer-norm forward kernel, no autograd."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim with fp32 statistics, rounded once to x's dtype or
+    `out_dtype` (model.py `rms_norm`, `RMSNorm.from_residual`); fla's layer-norm forward kernel, no autograd."""
     from fla.modules.norm.layernorm import layer_norm_fwd
 
     D = x.shape[-1]
     # NOTE: the kernel steps from row to row by D and has no input guard: a split view (GatedMLA.latent's c, whose
     # rows are r + rope apart) must be copied, or the norm reads the wrong rows
     with on_device(x):
-        y, _, _, _ = layer_norm_fwd(x.reshape(-1, D).contiguous(), weight, None, eps, is_rms_norm=True)
+        y, _, _, _ = layer_norm_fwd(x.reshape(-1, D).contiguous(), weight, None, eps, out_dtype=out_dtype,
+                                    is_rms_norm=True)
     return y.view(x.shape)
 
 
