@@ -300,7 +300,7 @@ def test_capture_problem_names_the_fp32_moe():
         ModelRunner(model, num_pages=20, page_size=4, slots=2, graphs=True)
     assert Engine(model, EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"].startswith("fast, eager")
     assert Engine(small_model("k3", dense=True).cuda(),
-                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs"
+                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs, overlapped"
 
 
 # ops that read a device value back to the host (or whose output size depends on values, so CUDA syncs for it)
@@ -428,15 +428,17 @@ def test_compiled_static_step_equals_the_eager_one():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_nan_state_fails_only_its_request_on_the_fast_path():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nan_state_fails_only_its_request_on_the_fast_path(overlap):
     """A NaN in one running request's KDA slot gives that row non-finite logits: the request alone ends with
     finish_reason "error"; the others decode exactly as without it, and a request that later takes the freed slot
-    starts from its own clean state."""
+    starts from its own clean state. Overlapped, the NaN comes while a step is in flight, and the failed row's step
+    launched before its result was read is dropped."""
     from openk3.serve.engine import Engine, EngineConfig
 
     model = small_model("k3", seed=5)
     cfg = EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=16, fast_decode=True,
-                       prefix_cache=False)
+                       prefix_cache=False, overlap=overlap)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())
     clean = [r.output for r in Engine(model, cfg).generate(prompts, params)]
@@ -445,6 +447,7 @@ def test_nan_state_fails_only_its_request_on_the_fast_path():
     while len(engine.running) < 3:
         engine.step()
     engine.step()
+    assert overlap == (engine._in_flight is not None and reqs[1] in engine._in_flight[0])
     slot = engine.target.rows[engine.running.index(reqs[1])]
     engine.target.slots.recurrent[0][slot] = float("nan")
     while engine.has_work():
