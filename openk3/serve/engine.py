@@ -604,15 +604,15 @@ class Engine:
             [unread.get(r) for r in reqs])
         return reqs, launched
 
-    def _collect_static(self, launched: tuple[list[Request], Launched], outputs: list[StepOutput]) -> None:
+    def _collect_static(self, in_flight: tuple[list[Request], Launched], outputs: list[StepOutput]) -> None:
         """Read a launched decode step: emit each row's token, fail its non-finite rows, retire finished requests.
         A request that ended since the launch (stopped in the step before, cancelled, failed) is skipped: its row's
         token was computed and is dropped.
         NOTE: a slot or pages freed while a step is in flight may be taken at once (a joining request's state
-        copy, its prefill): every use is queued on the one CUDA stream after that step, which has read and
-        written them by then."""
-        reqs, handle = launched
-        tokens, logprobs, finite = self.target.collect(handle)
+        copy, its prefill): every use is queued on the same CUDA stream after that step, so runs after it has read
+        and written them."""
+        reqs, launched = in_flight
+        tokens, logprobs, finite = self.target.collect(launched)
         rows = [b for b, r in enumerate(reqs) if not r.finished]
         self._fail_rows([reqs[b] for b in rows], [finite[b] for b in rows], outputs)
         for b in rows:
@@ -626,8 +626,8 @@ class Engine:
     def _drain(self, outputs: list[StepOutput]) -> None:
         """Read the decode step in flight, if any."""
         if self._in_flight is not None:
-            launched, self._in_flight = self._in_flight, None
-            self._collect_static(launched, outputs)
+            in_flight, self._in_flight = self._in_flight, None
+            self._collect_static(in_flight, outputs)
 
     def _speculate_static(self, outputs: list[StepOutput]) -> None:
         """`_speculate` on the fast path, for a batch of greedy rows, with one host sync: the draft's k + 1 steps
