@@ -188,7 +188,7 @@ class StaticMLA:
 
 class StepBuffers:
     """The static inputs of one (batch, pages, tokens) bucket: B rows of T new tokens each (T = 1 a decode step,
-    T = k + 1 a speculative verification). The integer inputs live in one tensor [3 T + 6, B] and the floats in
+    T = k + 1 a speculative verification). The integer inputs live in one tensor [3 T + 7, B] and the floats in
     one [2, B], so the host fills them with three copies (those two and the page table)."""
 
     PER_TOKEN = ("ids", "write_page", "write_offset")  # T rows each, read as [B, T] views
