@@ -35,6 +35,32 @@ from openk3.model.state import K3Cache, KDAState
 from openk3.ops.kda import select_kda_backend
 
 
+# ------------------------------------------------------------------------------------------ host to device
+
+def pinned_copies(device) -> bool:
+    """Whether host-device copies on `device` go through pinned host memory with non_blocking=True: on CUDA only.
+    NOTE: `cuda_tensor.copy_(cpu_tensor)` (non_blocking=False) synchronizes the stream, so an input copy between
+    two decode steps would wait for the step in flight (docs/engine.md "Overlapping the host with the device"); on
+    the CPU there is nothing to overlap, and pinning needs CUDA."""
+    return torch.device(device).type == "cuda"
+
+
+def upload(dst: Tensor, src: Tensor) -> Tensor:
+    """dst.copy_(src) of a host tensor, queued behind the device's work without waiting for it (`pinned_copies`).
+    NOTE: each call pins a fresh copy of `src`; PyTorch's caching host allocator hands that block out again only
+    once the copy queued from it has run (it records an event on the stream for every non_blocking copy from
+    pinned memory), so the host never rewrites memory a pending copy still reads."""
+    if pinned_copies(dst.device):
+        return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(src)
+
+
+def device_tensor(values: list, device) -> Tensor:
+    """torch.tensor(values, device=device) through `upload`: without waiting for the device's queued work."""
+    src = torch.tensor(values)
+    return upload(torch.empty(src.shape, dtype=src.dtype, device=device), src)
+
+
 # ------------------------------------------------------------------------------------------ KDA state
 
 def new_kda_states(config: K3Config, batch: int, device, dtype: torch.dtype) -> list[KDAState]:
@@ -189,7 +215,7 @@ class PagePool:
         flat = torch.cat(parts)
         per_page = self.f32.shape[1]
         flat = torch.nn.functional.pad(flat, (0, len(pages) * per_page - flat.numel()))
-        self.f32[torch.tensor(pages, device=self.device)] = flat.view(len(pages), per_page)
+        self.f32[device_tensor(pages, self.device)] = flat.view(len(pages), per_page)
 
     def read_checkpoint(self, pages: list[int]) -> list[KDAState]:
         """A fresh batch-1 copy of the checkpoint in `pages` (checkpoints are immutable: requests extend copies)."""

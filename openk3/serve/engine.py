@@ -20,7 +20,9 @@ thread, they only append to queues that the next step drains. One `step()`:
      decode batch;
   4. decodes one token for every running request in one batched forward over the ragged batch (absorbed MLA
      reading the pages, recurrent KDA), or with a draft model one speculative round: k draft tokens, one target
-     forward over k + 1 tokens, rejection sampling, KDA rollback from the kept per-token inputs.
+     forward over k + 1 tokens, rejection sampling, KDA rollback from the kept per-token inputs. With
+     `EngineConfig.overlap` (the fast path) the step is launched before the one before it is read, which is read
+     then: the device decodes while the host works, and tokens arrive one step later.
 
 Sampling (the parameters, top-k/top-p, speculative acceptance) is in sampler.py; running the model (the forward
 over a ragged batch of paged sequences, the decode batch's KDA states, the speculative rollback) in runner.py, one
@@ -47,7 +49,7 @@ from openk3.model.model import RECURRENT_SEGMENT_TOKENS, K3ForCausalLM
 from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states, select_kda_rows
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
-from openk3.serve.static import capture_problem
+from openk3.serve.static import Launched, capture_problem
 from openk3.text.chat import (EFFORTS, END, IdOutputParser, chat_format_for, chat_stop_ids, encode_segments,
                               render)
 from openk3.vision.preprocess import batch_images
@@ -72,7 +74,11 @@ class EngineConfig:
     what runs). `compile_decode`: torch.compile that step first (fast path only, not with a draft model; off by
     default: every batch bucket compiles on first use; measured in docs/engine.md). `fuse_projections`: compute each
     module's input projections with one matmul over a stacked copy of their weights (fewer kernel launches a step;
-    the copies cost 12% of kimi-linear-1.5b's parameters again; openk3/model/fused.py); None = on CUDA only."""
+    the copies cost 12% of kimi-linear-1.5b's parameters again; openk3/model/fused.py); None = on CUDA only.
+    `overlap`: on the fast path, launch each decode step before reading the one before it, so that the host's work
+    between steps runs while the device decodes (docs/engine.md "Overlapping the host with the device"); the same
+    tokens, each delivered one `step()` later (a prefill's first token is not delayed). None = with CUDA graphs and
+    no draft model; not with a draft (a speculative round reads every result before the next)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -86,6 +92,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     compile_decode: bool = False
     fuse_projections: bool | None = None
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch", "prefill_chunk", "hash_interval", "num_draft_tokens"):
@@ -94,8 +101,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={v!r}: must be a positive integer")
         if not isinstance(self.num_pages, int) or self.num_pages < 2:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages!r}: must be at least 2")
-        if self.fuse_projections not in (None, True, False):
-            raise ValueError(f"EngineConfig.fuse_projections={self.fuse_projections!r}: must be None, True or False")
+        for name in ("fuse_projections", "overlap"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: must be None, True or False")
         ci = self.checkpoint_interval
         if ci is not None and (not isinstance(ci, int) or ci < 1 or ci % self.hash_interval):
             raise ValueError(f"EngineConfig.checkpoint_interval={ci!r}: must be None or a positive multiple of "
@@ -175,6 +183,13 @@ class Engine:
                              f"fast_decode={config.fast_decode})")
         # what decodes, and why not more (stats() reports it; a benchmark records it)
         self.decode_path = ("fast, CUDA graphs" if graphs else f"fast, eager ({problem})") if self.fast else "general"
+        self.overlap = config.overlap if config.overlap is not None else graphs and draft is None
+        if self.overlap and (not self.fast or draft is not None):
+            raise ValueError(f"EngineConfig.overlap=True overlaps the fast decode path's steps: it needs fast_decode "
+                             f"(fast_decode={config.fast_decode}, model on {device}) and no draft model (a "
+                             f"speculative round reads every result before the next)")
+        if self.overlap:
+            self.decode_path += ", overlapped"
         slots = config.max_batch if self.fast else None
         if config.compile_decode and not self.fast:
             raise ValueError("EngineConfig.compile_decode=True compiles the fast decode path's step; it needs "
@@ -219,6 +234,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # the decode batch; row b of the runners' batch states is running[b]
+        # overlap: the fast path's decode step launched and not read yet, with the requests of its rows
+        self._in_flight: tuple[list[Request], Launched] | None = None
         self.counters = dict(steps=0, prefill_tokens=0, prefill_forwards=0, decode_tokens=0, prefill_seconds=0.0,
                              decode_seconds=0.0, spec_rounds=0, draft_tokens=0, accepted_tokens=0, finished=0,
                              images_encoded=0)
@@ -293,6 +310,7 @@ class Engine:
         between requests. NOTE: a draft model keeps its own weights (an early-exit draft shares the target's)."""
         if self.has_work():
             raise RuntimeError("load_weights while requests are running: finish or cancel them first")
+        self._drain([])  # a step still in flight serves only ended requests (no output); done before its graph goes
         self.model.load_state_dict(state_dict)
         if self.target.decoder is not None and self.model.qat:  # NOTE: graphs froze the MXFP4 grid decision
             self.target.decoder.forget_graphs()
@@ -557,18 +575,59 @@ class Engine:
 
     def _decode_static(self, outputs: list[StepOutput]) -> None:
         """`_decode` through the fast path's static step: sampling happens on the device (`sample_batch`, seeded by
-        the request's `sample_seed` and the token's index), one host sync for the whole batch."""
-        reqs = self.running
-        tokens, logprobs, finite = self.target.decode(
-            [r.seq for r in reqs], [r.output[-1] for r in reqs], [r.params for r in reqs],
-            [r.sample_seed for r in reqs], [len(r.output) for r in reqs])
-        self._fail_rows(reqs, finite, outputs)
-        for r, t, lp, ok in zip(reqs, tokens, logprobs, finite):
-            if ok:
-                self._emit(r, [t], [lp], outputs)
-        self._leave([b for b, ok in enumerate(finite) if not ok])
-        self.counters["decode_tokens"] += sum(finite)
+        the request's `sample_seed` and the token's index), one host sync for the whole batch. With `overlap`, step
+        n + 1 is launched before step n is read, and stays in flight while the host reads step n, emits, retires
+        and then (the next `step()`) admits and prefills: the device decodes meanwhile."""
+        before, self._in_flight = self._in_flight, self._launch_static(self._in_flight)
+        if before is not None:
+            self._collect_static(before, outputs)
+        if not self.overlap:
+            self._drain(outputs)
+
+    def _launch_static(self, before: tuple[list[Request], Launched] | None) -> tuple[list[Request], Launched] | None:
+        """Launch the decode step of every running request with a token left to draw, the step `before` still
+        unread: a row that was in it feeds the token it sampled there, on the device; a row that joined since feeds
+        its last output token. -> (the step's requests, the launched step), or None when no row has a token left.
+        NOTE: a row that stopped in `before` runs once more here; that token is dropped at `_collect_static`, and
+        its turn's prefix-cache checkpoint (`_end`) then covers its stop token, as its seq.length and KDA slot do
+        (the checkpoint is copied out of the slot after this step, in stream order)."""
+        unread = {r: b for b, r in enumerate(before[0])} if before is not None else {}
+        # a request's next token is its len(output) + (1 if a step of it is unread)'th: the sampler's counter
+        drawn = {r: len(r.output) + (r in unread) for r in self.running}
+        batch = [b for b, r in enumerate(self.running) if drawn[r] < r.params.max_tokens]
+        if not batch:
+            return None
+        reqs = [self.running[b] for b in batch]
+        launched = self.target.launch_decode(
+            batch, [r.seq for r in reqs], [r.output[-1] for r in reqs], [r.params for r in reqs],
+            [r.sample_seed for r in reqs], [drawn[r] for r in reqs], None if before is None else before[1],
+            [unread.get(r) for r in reqs])
+        return reqs, launched
+
+    def _collect_static(self, in_flight: tuple[list[Request], Launched], outputs: list[StepOutput]) -> None:
+        """Read a launched decode step: emit each row's token, fail its non-finite rows, retire finished requests.
+        A request that ended since the launch (stopped in the step before, cancelled, failed) is skipped: its row's
+        token was computed and is dropped.
+        NOTE: a slot or pages freed while a step is in flight may be taken at once (a joining request's state
+        copy, its prefill): every use is queued on the same CUDA stream after that step, so runs after it has read
+        and written them."""
+        reqs, launched = in_flight
+        tokens, logprobs, finite = self.target.collect(launched)
+        rows = [b for b, r in enumerate(reqs) if not r.finished]
+        self._fail_rows([reqs[b] for b in rows], [finite[b] for b in rows], outputs)
+        for b in rows:
+            if finite[b]:
+                self._emit(reqs[b], [tokens[b]], [logprobs[b]], outputs)
+        failed = {reqs[b] for b in rows if not finite[b]}
+        self._leave([b for b, r in enumerate(self.running) if r in failed])
+        self.counters["decode_tokens"] += len(rows) - len(failed)
         self._retire(outputs)
+
+    def _drain(self, outputs: list[StepOutput]) -> None:
+        """Read the decode step in flight, if any."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._collect_static(in_flight, outputs)
 
     def _speculate_static(self, outputs: list[StepOutput]) -> None:
         """`_speculate` on the fast path, for a batch of greedy rows, with one host sync: the draft's k + 1 steps

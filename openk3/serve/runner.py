@@ -17,6 +17,9 @@ reading slot `rows[b]` in place; joining and leaving only assign slots, and `dec
 
     runner = ModelRunner(model, num_pages=1024, page_size=64, slots=32, graphs=True)
     tokens, logprobs, finite = runner.decode(seqs, last_tokens, params, seeds, counters)
+
+or, to overlap the host's work with the device's, `launch_decode` (the next step may feed this one's tokens on the
+device, unread) and later `collect`.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from torch import Tensor
 
 from openk3.model.fused import FusedProjections, applied, fuse_projections
 from openk3.model.model import K3ForCausalLM
-from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, new_kda_states, paged_cache,
-                                rollback_kda, select_kda_rows)
+from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, device_tensor, new_kda_states,
+                                paged_cache, rollback_kda, select_kda_rows)
 from openk3.serve.sampler import SamplingParams
-from openk3.serve.static import SlotPool, StaticDecoder
+from openk3.serve.static import Launched, SlotPool, StaticDecoder
 
 # The longest prefill chunk (tokens a row) the fast path runs as static runs (`ModelRunner(static_prefill=)`): the
 # engine's default `prefill_chunk`, so a short prompt or the new tokens of a turn after a prefix hit run captured
@@ -132,7 +135,7 @@ class ModelRunner:
     def _view(self) -> None:
         """`kda` for the fast path: the slot pool's states at the batch's slots (rebuilt on join and leave only;
         the objects persist between them, as speculation's kept inputs must)."""
-        self.kda = self.slots.view(torch.tensor(self.rows, dtype=torch.long, device=self.device))
+        self.kda = self.slots.view(device_tensor(self.rows, self.device))  # (not waiting for a step in flight)
 
     def decode(self, seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams], seeds: list[int],
                counters: list[int], with_logits: bool = False) -> tuple:
@@ -141,6 +144,20 @@ class ModelRunner:
         if self.decoder is None:
             raise RuntimeError("decode is the fast path's step: build the runner with slots=")
         return self.decoder.step(seqs, self.rows, tokens, params, seeds, counters, with_logits)
+
+    def launch_decode(self, batch: list[int], seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams],
+                      seeds: list[int], counters: list[int], after: Launched | None = None,
+                      carry: list[int | None] | None = None) -> Launched:
+        """The fast path's decode step for rows `batch` of the decode batch (seqs[i] is row batch[i]'s), queued
+        without waiting for it; `after`, `carry`: rows that feed a token of the step `after` (not read yet). See
+        `StaticDecoder.launch`; read it with `collect`."""
+        if self.decoder is None:
+            raise RuntimeError("launch_decode is the fast path's step: build the runner with slots=")
+        return self.decoder.launch(seqs, [self.rows[b] for b in batch], tokens, params, seeds, counters, after, carry)
+
+    def collect(self, launched: Launched) -> tuple[list[int], list[float], list[bool]]:
+        """Wait for a step of `launch_decode` -> (tokens, fp32 logprobs, finite) per row (`StaticDecoder.collect`)."""
+        return self.decoder.collect(launched)
 
     # ---- speculative decoding on the fast path (static steps; greedy rows)
     def draft(self, seqs: list[PagedSeq], pending: list[int], k: int) -> tuple[Tensor, list]:

@@ -12,7 +12,10 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
     StaticDecoder  the step: copies the host's inputs (last tokens, slots, page tables, lengths, sampling
                    parameters) into static buffers of the bucket (B rounded up to BATCH_BUCKETS, P to a power of
                    two), runs the model forward for T = 1 and `sample_batch`, and hands back tokens, logprobs and a
-                   finite flag per row in one device-to-host copy, the step's only host sync. With `graphs` (CUDA),
+                   finite flag per row in one device-to-host copy, the step's only host sync. `launch` queues the
+                   step and that copy without waiting (the next step may feed its tokens on the device, unread) and
+                   `collect` waits for it, so the host can prepare the next step meanwhile (docs/engine.md
+                   "Overlapping the host with the device"); `step` is the two at once. With `graphs` (CUDA),
                    each (B, P, greedy-only) bucket is captured the first time it is met, after a warmup on a side
                    stream, and replayed from then on; on the CPU the same step runs eagerly. With `compile`, the
                    step is `torch.compile`d first (fusing its small ops; the KDA layers then keep their reference
@@ -37,6 +40,8 @@ between steps, and after a verification and its rollback.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -45,7 +50,7 @@ from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import select_kda_backend, select_moe_backend
-from openk3.serve.cache import PagedSeq, PagePool, rollback_kda
+from openk3.serve.cache import PagedSeq, PagePool, device_tensor, pinned_copies, rollback_kda, upload
 from openk3.serve.sampler import SamplingParams, sample_batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -113,7 +118,7 @@ class SlotPool:
         if not self.free:
             raise RuntimeError(f"all {self.size} KDA slots are in use")
         slot = self.free.pop()
-        rows = self.rows(torch.tensor([slot], device=self.layer_rows.device))[:, 0]  # [L]
+        rows = self.rows(device_tensor([slot], self.layer_rows.device))[:, 0]  # [L]
         self.recurrent_all.index_copy_(0, rows, torch.stack([s.recurrent[row] for s in states]))
         self.conv_all.index_copy_(0, rows, torch.stack([s.conv[row] for s in states]).to(self.conv_all.dtype))
         return slot
@@ -121,7 +126,7 @@ class SlotPool:
     def read(self, slots: list[int], states: list[KDAState]) -> None:
         """Set `states` (one per KDA layer, a batch of len(slots) rows) to the slots' states, row b from slots[b]:
         two gathers, then views of them (the conv tails in the states' own dtype)."""
-        rows = self.rows(torch.tensor(slots, device=self.layer_rows.device))  # [L, B]
+        rows = self.rows(device_tensor(slots, self.layer_rows.device))  # [L, B]
         recurrent = self.recurrent_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.recurrent_all.shape[1:])
         conv = self.conv_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.conv_all.shape[1:])
         for s, r, c in zip(states, recurrent.unbind(0), conv.unbind(0)):
@@ -194,11 +199,12 @@ class StaticMLA:
 
 class StepBuffers:
     """The static inputs of one (batch, pages, tokens) bucket: B rows of T new tokens each (T = 1 a decode step,
-    T = k + 1 a speculative verification). The integer inputs live in one tensor [3 T + 6, B] and the floats in
+    T = k + 1 a speculative verification). The integer inputs live in one tensor [3 T + 7, B] and the floats in
     one [2, B], so the host fills them with three copies (those two and the page table)."""
 
     PER_TOKEN = ("ids", "write_page", "write_offset")  # T rows each, read as [B, T] views
-    PER_ROW = ("slots", "lengths", "top_k", "seed", "counter", "keep")
+    # `carry`: 1 + the row of the step before whose sampled token the row feeds (`StaticDecoder.launch`); 0: `ids`
+    PER_ROW = ("slots", "lengths", "top_k", "seed", "counter", "keep", "carry")
 
     def __init__(self, B: int, P: int, page_size: int, device, T: int = 1):
         self.B, self.P, self.T = B, P, T
@@ -209,8 +215,8 @@ class StepBuffers:
         # named views of `ints` (a padding row: all zero)
         per_token = self.ints[:len(self.PER_TOKEN) * T].view(len(self.PER_TOKEN), T, B).transpose(1, 2)
         self.ids, self.write_page, self.write_offset = per_token.unbind(0)  # [B, T] each
-        (self.slots, self.lengths, self.top_k, self.seed, self.counter,
-         self.keep) = self.ints[len(self.PER_TOKEN) * T:]  # `lengths`: each row's cached tokens before the step
+        (self.slots, self.lengths, self.top_k, self.seed, self.counter, self.keep,
+         self.carry) = self.ints[len(self.PER_TOKEN) * T:]  # `lengths`: each row's cached tokens before the step
         self.temperature, self.top_p = self.floats
 
     def clear(self) -> None:
@@ -245,10 +251,25 @@ class StepBuffers:
         ints = [[row[t] for row in column] + pad for column in columns for t in range(T)]
         ints += [list(rows[name]) + pad if name in rows else [0] * self.B for name in self.PER_ROW]
         table = [s.pages + [0] * (self.P - len(s.pages)) for s in seqs] + [[0] * self.P] * len(pad)
-        self.ints.copy_(torch.tensor(ints))
-        self.table.copy_(torch.tensor(table))
+        # through pinned memory on CUDA: a plain copy would wait for the step in flight (cache.py `upload`)
+        upload(self.ints, torch.tensor(ints))
+        upload(self.table, torch.tensor(table))
         if floats is not None:
-            self.floats.copy_(torch.tensor([list(f) + pad for f in floats], dtype=torch.float64))
+            upload(self.floats, torch.tensor([list(f) + pad for f in floats], dtype=torch.float64))
+
+
+@dataclass
+class Launched:
+    """A decode step queued on the device (`StaticDecoder.launch`): its output [3, B] (token, logprob, finite) and
+    fp32 logits [B, V] on the device, which the bucket's next replay rewrites in place; the output's copy on its way
+    to the host (pinned on CUDA), the event recorded after that copy (None on the CPU: copies there are done when
+    they return); its n real rows."""
+
+    out: Tensor
+    logits: Tensor
+    host: Tensor
+    copied: torch.cuda.Event | None
+    n: int
 
 
 class StaticDecoder:
@@ -391,13 +412,14 @@ class StaticDecoder:
     # ---- the steps as the engine calls them
     def _launch(self, kind: str, run, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]],
                 greedy_only: bool, per_row: dict[str, list] | None = None, floats: list[list[float]] | None = None,
-                device_ids: Tensor | None = None):
+                device_ids: Tensor | None = None, after: Tensor | None = None):
         """Run `run` (`_run`, `_prefill_run`, `_verify_run` or `_draft_run`, named by `kind`) for a batch whose row b
         appends tokens[b] to seqs[b] (its KDA state in slot slots[b]): grow the page tables, pick the bucket, capture it
         the first time (graphs), copy the inputs in, replay (or run eagerly). `device_ids` [n, t]: the last t tokens of
         every row, already on the device (a draft's tokens), copied over those of `tokens` without a host round
-        trip. -> (the bucket's key, its buffers, what `run` returned). The lengths are left to the caller, which
-        advances them after its read of the outputs."""
+        trip. `after`: the output [3, B'] of the decode step before, whose tokens the rows with a `carry` in
+        `per_row` feed (`launch`). -> (the bucket's key, its buffers, what `run` returned). The lengths are left to
+        the caller."""
         T = len(tokens[0])
         for s in seqs:
             s.grow(self.pool, s.length + T)
@@ -415,6 +437,10 @@ class StaticDecoder:
             buf.fill(seqs, slots, tokens, self.pool.page_size, per_row, floats)
             if device_ids is not None:
                 buf.ids[:len(seqs), T - device_ids.shape[1]:].copy_(device_ids)
+            if after is not None:
+                # NOTE: read before this replay, in stream order: a replay of the same bucket rewrites `after`
+                carried = after[0].long()[(buf.carry - 1).clamp(min=0)]
+                buf.ids[:, 0] = torch.where(buf.carry > 0, carried, buf.ids[:, 0])
             if self.graphs:
                 graph, result = self.captured[key]
                 graph.replay()
@@ -424,23 +450,48 @@ class StaticDecoder:
         self.counters["static_steps"] += 1
         return key, buf, result
 
-    def step(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
-             seeds: list[int], counters: list[int], with_logits: bool = False) -> tuple:
-        """Decode one token for every row: row b appends tokens[b] to seqs[b] (its KDA state in slot slots[b]) and
-        samples with params[b], seeds[b] and counters[b] (the index of the token drawn, for `sample_batch`).
-        Grows the page tables and advances the lengths. -> (tokens, fp32 logprobs, whether the row's logits were
-        all finite); a row that was not finite got a meaningless token. `with_logits` adds the fp32 logits [n, V]
-        (a copy, on the device) as a fourth element, for tests."""
-        n = len(seqs)
-        per_row = dict(top_k=[p.top_k for p in params], seed=seeds, counter=counters)
+    def launch(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
+               seeds: list[int], counters: list[int], after: Launched | None = None,
+               carry: list[int | None] | None = None) -> Launched:
+        """Start decoding one token for every row, without waiting for the device: row b appends tokens[b] to
+        seqs[b] (its KDA state in slot slots[b]) and samples with params[b], seeds[b] and counters[b] (the index of
+        the token drawn, for `sample_batch`). `after`, `carry`: a row with carry[b] not None feeds instead the token
+        that row carry[b] of the step `after` sampled, taken on the device (that step need not be read yet).
+        Grows the page tables and advances the lengths. Read the result with `collect`."""
+        per_row = dict(top_k=[p.top_k for p in params], seed=seeds, counter=counters,
+                       carry=[0 if c is None else c + 1 for c in carry or [None] * len(seqs)])
         floats = [[p.temperature for p in params], [p.top_p for p in params]]
         _, _, (out, logits) = self._launch("decode", self.run, seqs, slots, [[t] for t in tokens],
-                                           all(p.greedy for p in params), per_row, floats)
-        result = out[:, :n].cpu().tolist()  # the step's one host sync
+                                           all(p.greedy for p in params), per_row, floats,
+                                           after=None if all(c is None for c in carry or ()) else after.out)
         for s in seqs:
             s.length += 1
-        sampled = [int(t) for t in result[0]], result[1], [f > 0 for f in result[2]]
-        return (*sampled, logits[:n].clone()) if with_logits else sampled
+        # the result's copy to the host is queued now, before a later replay of this bucket rewrites `out`
+        pinned = pinned_copies(self.device)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=pinned)
+        host.copy_(out, non_blocking=pinned)
+        copied = None
+        if pinned:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device))
+        return Launched(out, logits, host, copied, len(seqs))
+
+    def collect(self, launched: Launched) -> tuple[list[int], list[float], list[bool]]:
+        """Wait for a launched step's result -> (tokens, fp32 logprobs, whether the row's logits were all finite);
+        a row that was not finite got a meaningless token."""
+        if launched.copied is not None:
+            launched.copied.synchronize()  # the step's one host sync
+        result = launched.host[:, :launched.n].tolist()
+        return [int(t) for t in result[0]], result[1], [f > 0 for f in result[2]]
+
+    def step(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
+             seeds: list[int], counters: list[int], with_logits: bool = False) -> tuple:
+        """`launch` then `collect`: one decode step, waited for. `with_logits` adds the fp32 logits [n, V] (a copy,
+        on the device) as a fourth element, for tests."""
+        launched = self.launch(seqs, slots, tokens, params, seeds, counters)
+        logits = launched.logits[:launched.n].clone() if with_logits else None
+        sampled = self.collect(launched)
+        return (*sampled, logits) if with_logits else sampled
 
     def prefill(self, seqs: list[PagedSeq], slots: list[int], tokens: list[list[int]]) -> Tensor:
         """A prefill chunk of T tokens a row (row b appends tokens[b] to seqs[b], its KDA state in slot slots[b]) as

@@ -33,15 +33,17 @@ def check_against_full_forward(model: K3ForCausalLM, req, greedy: bool = True, t
     assert (want - torch.tensor(req.logprobs)).abs().max() < tol, req.id
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["general", "fast"])
+@pytest.mark.parametrize("fast, overlap", [(False, False), (True, False), (True, True)],
+                         ids=["general", "fast", "fast-overlapped"])
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
-def test_ragged_continuous_batching_equals_full_forward(family, fast):
+def test_ragged_continuous_batching_equals_full_forward(family, fast, overlap):
     """Requests of different lengths join and leave the batch between steps (max_batch forces some to wait),
     prompts are prefilled in chunks that cross checkpoint boundaries: every token and logprob is the full
-    forward's, on the general decode path and the fast one (static step, KDA slots, batched sampler)."""
+    forward's, on the general decode path and the fast one (static step, KDA slots, batched sampler), its steps
+    overlapped with the host's work or not."""
     model = small_model(family)
     engine = Engine(model, EngineConfig(page_size=4, num_pages=300, max_batch=3, prefill_chunk=4, hash_interval=4,
-                                        checkpoint_interval=8, fast_decode=fast))
+                                        checkpoint_interval=8, fast_decode=fast, overlap=overlap))
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 13, 6, 22, 9)]
     max_tokens = [3, 9, 5, 7, 4]
@@ -60,6 +62,70 @@ def test_ragged_continuous_batching_equals_full_forward(family, fast):
         assert r.finish_reason == "length" and len(r.output) == m
         check_against_full_forward(model, r)
     assert engine.pool.reserved == 0 and engine.stats()["running"] == 0
+
+
+def staggered_run(model, prompts, params, overlap: bool, cancel: int | None = None, engine: Engine | None = None):
+    """Two requests submitted at once, the rest two steps later (max_batch 3: some wait), on the fast path;
+    `cancel`: that request is cancelled once it has 2 tokens. -> (the requests, the engine)."""
+    engine = engine or Engine(model, EngineConfig(page_size=4, num_pages=300, max_batch=3, prefill_chunk=4,
+                                                  hash_interval=4, checkpoint_interval=8, fast_decode=True,
+                                                  overlap=overlap))
+    reqs = [engine.submit(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+    engine.step()
+    engine.step()
+    reqs += [engine.submit(p, sp) for p, sp in zip(prompts[2:], params[2:])]
+    while engine.has_work():
+        if cancel is not None and len(reqs[cancel].output) == 2 and not reqs[cancel].finished:
+            if overlap:  # mid-flight: the step launched last holds it, unread
+                assert reqs[cancel] in engine._in_flight[0]
+            engine.cancel(reqs[cancel].id)
+        engine.step()
+    return reqs, engine
+
+
+def test_overlapped_steps_emit_the_same_tokens():
+    """The fast path's steps overlapped with the host's work (each launched before the one before it is read, its
+    rows' tokens fed on the device) emit the tokens and logprobs of the plain fast path, for a ragged batch of greedy
+    and sampled rows that join (staggered) and leave (max_tokens, stop tokens met mid-batch, a cancel mid-flight),
+    and on the next turn after prefix-cache hits as cold. A turn that stopped was decoded once more in flight (that
+    token dropped): its checkpoint then covers its stop token, and a hit there gives the cold tokens."""
+    model = small_model("k3", seed=1)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 13, 6, 11, 9)]
+    sampled = dict(temperature=0.9, top_k=40, seed=7)
+    shapes = [(6, GREEDY), (9, sampled), (12, GREEDY), (7, GREEDY), (5, sampled)]
+    free = [SamplingParams(max_tokens=m, **dict(kw, stop_token_ids=())) for m, kw in shapes]
+    # stop tokens that end requests 1 (sampled) and 3 (greedy) early: their third token (sampling is seeded per
+    # request and token index, so every run draws the same)
+    first, _ = staggered_run(model, prompts, free, overlap=False)
+    stops = {1: first[1].output[2], 3: first[3].output[2]}
+    params = [SamplingParams(max_tokens=m, **dict(kw, stop_token_ids=(stops[b],) if b in stops else ()))
+              for b, (m, kw) in enumerate(shapes)]
+    runs = {overlap: staggered_run(model, prompts, params, overlap, cancel=2) for overlap in (False, True)}
+    (plain, plain_engine), (over, over_engine) = runs[False], runs[True]
+    assert over_engine.stats()["decode_path"].endswith(", overlapped")
+    assert [r.finish_reason for r in over] == ["length", "stop", "cancelled", "stop", "length"]
+    done = [0, 1, 3, 4]
+    for b in done:
+        assert plain[b].output == over[b].output and plain[b].finish_reason == over[b].finish_reason
+        assert max(abs(x - y) for x, y in zip(plain[b].logprobs, over[b].logprobs)) < 1e-5
+    assert plain[2].output == over[2].output and len(over[2].output) == 2  # (its step in flight dropped)
+    for e in (plain_engine, over_engine):
+        assert e.pool.reserved == 0 and not e.running and len(e.target.slots.free) == 3
+        assert e.counters["finished"] == 5
+
+    # the next turn: each conversation so far + 3 user tokens, resumed from the prefix cache
+    turn2 = [over[b].prompt + over[b].output + [3, 4, 5] for b in done]
+    params2 = [free[b] for b in done]
+    cold = Engine(model, EngineConfig(page_size=4, num_pages=300, fast_decode=True, prefix_cache=False))
+    want = cold.generate(turn2, params2)
+    for overlap, engine in ((False, plain_engine), (True, over_engine)):
+        got, _ = staggered_run(model, turn2, params2, overlap, engine=engine)
+        for r, w, first_turn in zip(got, want, [over[b] for b in done]):
+            assert r.output == w.output and max(abs(x - y) for x, y in zip(r.logprobs, w.logprobs)) < 1e-4
+            # resumed at the end of the first turn: with its stop token when overlapped, as its state holds it
+            stopped = overlap and first_turn.finish_reason == "stop"
+            assert r.cached_tokens == len(first_turn.prompt) + len(first_turn.output) - (not stopped), overlap
 
 
 def test_filtered_probs_follow_temperature_top_k_and_top_p():
@@ -306,9 +372,11 @@ def run_conversations(engine: Engine, convs: list[list[list[int]]], max_tokens: 
     return turns
 
 
-def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool = False) -> list[str]:
-    """The hard gate's body (below) on `device`, with the engines' decode path chosen by `fast`; logprobs within
-    `tol`; `dense`: a model without MoE layers. -> the engines' decode paths."""
+def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool = False,
+         overlap: bool | None = None) -> list[str]:
+    """The hard gate's body (below) on `device`, with the engines' decode path chosen by `fast` and `overlap` (the
+    speculative engine's: never overlapped); logprobs within `tol`; `dense`: a model without MoE layers. -> the
+    engines' decode paths."""
     page_size = data.draw(st.sampled_from([2, 4, 6]), "page_size")
     hash_interval = data.draw(st.sampled_from([4, 6, 8]), "hash_interval")
     checkpoint_every = data.draw(st.sampled_from([None, 1, 2]), "checkpoint_every")
@@ -325,8 +393,9 @@ def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool =
     tiny_pool = -(-longest // page_size) + 1 + ckpt_pages + ckpt_pages // 2  # one request and about one checkpoint
     shared = dict(page_size=page_size, hash_interval=hash_interval, prefill_chunk=rng.randint(2, 9),
                   checkpoint_interval=checkpoint_every and checkpoint_every * hash_interval)
-    cold = Engine(model, EngineConfig(page_size=4, num_pages=200, prefix_cache=False, fast_decode=fast))
-    cached = Engine(model, EngineConfig(num_pages=tiny_pool, fast_decode=fast, **shared))
+    cold = Engine(model, EngineConfig(page_size=4, num_pages=200, prefix_cache=False, fast_decode=fast,
+                                      overlap=overlap))
+    cached = Engine(model, EngineConfig(num_pages=tiny_pool, fast_decode=fast, overlap=overlap, **shared))
     spec = Engine(model, EngineConfig(num_pages=tiny_pool, num_draft_tokens=k, fast_decode=fast, **shared),
                   draft=early_exit_draft(model, 3))
     if fast:  # prefill chunks as static runs (by default only where captured), but the cold engine's, its reference
@@ -347,31 +416,40 @@ def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool =
     return [e.decode_path for e in (cold, cached, spec)]
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["general", "fast"])
+@pytest.mark.parametrize("fast, overlap", [(False, None), (True, None), (True, True)],
+                         ids=["general", "fast", "fast-overlapped"])
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_cold_cached_and_speculative_decoding_agree(data, fast):
+def test_cold_cached_and_speculative_decoding_agree(data, fast, overlap):
     """The hard gate: on random multi-turn conversations (several at once), decoding cold, after prefix-cache hits
     in a pool so small that it must evict, and speculatively (early-exit draft, so some drafts are accepted and
     some rolled back) gives identical greedy tokens and logprobs within 1e-4; on the general decode path and on
-    the fast one (static step; speculation then runs over the KDA slot pool)."""
-    gate(data, fast)
+    the fast one (static step; speculation then runs over the KDA slot pool), its steps overlapped with the host's
+    work or not (the cold and cached engines; a turn that stopped then checkpoints its stop token too)."""
+    gate(data, fast, overlap=overlap)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dense", [True, False], ids=["dense-graphs", "moe-eager"])
+@pytest.mark.parametrize("dense, overlap", [(True, None), (False, None), (False, True)],
+                         ids=["dense-graphs-overlapped", "moe-eager", "moe-eager-overlapped"])
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_the_gate_on_cuda_on_the_fast_path(data, dense):
-    """The hard gate on CUDA with the engines' default there, the fast path: with CUDA graphs for a dense-FFN model;
-    eagerly for the MoE one (fp32 routed experts cannot be captured, `capture_problem`). NOTE: with fla, Triton
+def test_the_gate_on_cuda_on_the_fast_path(data, dense, overlap):
+    """The hard gate on CUDA with the engines' default there, the fast path: with CUDA graphs for a dense-FFN model,
+    its steps overlapped with the host's work (the default with graphs: pinned input copies, the result read one
+    step late, each step's tokens fed to the next on the device); eagerly for the MoE one (fp32 routed experts
+    cannot be captured, `capture_problem`), not overlapped by default, and overlapped. NOTE: with fla, Triton
     computes fp32 dot products in TF32 on Hopper, so its chunked prefill and its decode step differ by ~1e-3 in fp32
     (measured on the H200, bench/engine_bench.py's device check): the logprobs are held to 1e-2 there."""
     from openk3.ops import select_kda_backend
     paths = gate(data, fast=True, device="cuda", tol=1e-2 if select_kda_backend("cuda").name == "fla" else 1e-4,
-                 dense=dense)
-    assert (paths[:2] == ["fast, CUDA graphs"] * 2) if dense else all(p.startswith("fast, eager") for p in paths)
+                 dense=dense, overlap=overlap)
+    if dense:
+        assert paths[:2] == ["fast, CUDA graphs, overlapped"] * 2
+    else:
+        assert all(p.startswith("fast, eager") for p in paths)
+        assert all(p.endswith(", overlapped") == bool(overlap) for p in paths[:2])
 
 
 def test_the_gate_sees_hits_and_evictions():

@@ -43,6 +43,7 @@ def test_step_buffers_fill_lays_out_every_input():
     assert buf.slots.tolist() == [2, 6, 0, 0] and buf.lengths.tolist() == [3, 0, 0, 0]
     assert buf.top_k.tolist() == [3, 0, 0, 0] and buf.seed.tolist() == [8, 9, 0, 0]
     assert buf.counter.tolist() == [0, 0, 0, 0] and buf.keep.tolist() == [0, 0, 0, 0]
+    assert buf.carry.tolist() == [0, 0, 0, 0]
     assert buf.temperature.tolist() == [0.5, 0.0, 0.0, 0.0] and buf.top_p.tolist() == [0.9, 1.0, 0.0, 0.0]
     assert buf.table.tolist() == [[7, 9], [5, 0], [0, 0], [0, 0]]
     assert buf.mask()[:2, 0, :, :].sum(-1).tolist() == [[4, 5, 6], [1, 2, 3]]  # keys 0..length + t
@@ -299,7 +300,7 @@ def test_capture_problem_names_the_fp32_moe():
         ModelRunner(model, num_pages=20, page_size=4, slots=2, graphs=True)
     assert Engine(model, EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"].startswith("fast, eager")
     assert Engine(small_model("k3", dense=True).cuda(),
-                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs"
+                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs, overlapped"
 
 
 # ops that read a device value back to the host (or whose output size depends on values, so CUDA syncs for it)
@@ -427,15 +428,17 @@ def test_compiled_static_step_equals_the_eager_one():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_nan_state_fails_only_its_request_on_the_fast_path():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nan_state_fails_only_its_request_on_the_fast_path(overlap):
     """A NaN in one running request's KDA slot gives that row non-finite logits: the request alone ends with
     finish_reason "error"; the others decode exactly as without it, and a request that later takes the freed slot
-    starts from its own clean state."""
+    starts from its own clean state. Overlapped, the NaN comes while a step is in flight, and the failed row's step
+    launched before its result was read is dropped."""
     from openk3.serve.engine import Engine, EngineConfig
 
     model = small_model("k3", seed=5)
     cfg = EngineConfig(page_size=4, num_pages=300, max_batch=4, prefill_chunk=16, fast_decode=True,
-                       prefix_cache=False)
+                       prefix_cache=False, overlap=overlap)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop_token_ids=())
     clean = [r.output for r in Engine(model, cfg).generate(prompts, params)]
@@ -444,6 +447,7 @@ def test_nan_state_fails_only_its_request_on_the_fast_path():
     while len(engine.running) < 3:
         engine.step()
     engine.step()
+    assert overlap == (engine._in_flight is not None and reqs[1] in engine._in_flight[0])
     slot = engine.target.rows[engine.running.index(reqs[1])]
     engine.target.slots.recurrent[0][slot] = float("nan")
     while engine.has_work():
@@ -710,3 +714,58 @@ def test_captured_prefill_equals_the_general_forward():
     (gen, _), (fast, runner) = prefill_both_ways(model, [[0] * 96, [0] * 300], graphs=True)
     assert rel_err(fast, gen) < 5e-2
     assert runner.decoder.counters["graph_replays"] >= 2 + 4
+
+
+def test_pinned_copies_only_on_cuda():
+    """Host-device copies go through pinned memory without a host sync on CUDA only (cache.py `upload`): a plain
+    `copy_` there would wait for the step in flight; the CPU has nothing to overlap and no pinning."""
+    from openk3.serve.cache import pinned_copies
+
+    assert pinned_copies("cuda") and pinned_copies(torch.device("cuda", 1))
+    assert not pinned_copies("cpu") and not pinned_copies(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launched_steps_feed_each_other_on_the_device(device):
+    """`launch_decode` chained without reading a step first: each step's rows feed the tokens the step before
+    sampled, taken on the device (`carry`; rows at other positions once a row stops), greedy and sampled rows: the
+    tokens and logprobs of steps read one by one. On CUDA with graphs, once the bucket is captured, the launches
+    never wait for the device (sync debug mode "error": no blocking copy, nothing read back)."""
+    model = small_model("k3", seed=3, dense=True).to(device)
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15], [1, 2, 3, 4, 6], [8, 7]]
+    sampled = SamplingParams(temperature=0.8, top_k=20)
+    params = [GREEDY, sampled, GREEDY, sampled]
+    batches = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 2, 3]]  # row 1 stops after step 1 (one bucket throughout)
+
+    def runner_with_prompts():
+        runner = ModelRunner(model, num_pages=50, page_size=16, slots=4, graphs=device == "cuda")
+        return runner, [prefill_and_join(runner, p, 32)[0] for p in prompts]
+
+    def launch(runner, seqs, step, tokens, after=None, carry=None):
+        rows = batches[step]
+        return runner.launch_decode(rows, [seqs[b] for b in rows], tokens, [params[b] for b in rows],
+                                    [7 + b for b in rows], [step] * len(rows), after, carry)
+
+    with torch.inference_mode():
+        runner, seqs = runner_with_prompts()
+        want, tokens = [], [3, 4, 5, 6]
+        for step, rows in enumerate(batches):
+            want.append(runner.collect(launch(runner, seqs, step, tokens)))
+            tokens = [want[-1][0][rows.index(b)] for b in batches[step + 1]] if step + 1 < len(batches) else []
+
+        runner, seqs = runner_with_prompts()
+        launched = [launch(runner, seqs, 0, [3, 4, 5, 6])]  # (captures the bucket on CUDA: that syncs)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(1, len(batches)):
+                carry = [batches[step - 1].index(b) for b in batches[step]]
+                launched.append(launch(runner, seqs, step, [0] * len(carry), launched[-1], carry))
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        got = [runner.collect(x) for x in launched]
+    for (t, lp, ok), (wt, wlp, wok) in zip(got, want):
+        assert t == wt and ok == wok and all(ok)
+        assert max(abs(a - b) for a, b in zip(lp, wlp)) < 1e-5
+    assert [s.length for s in seqs] == [len(p) + sum(b in rows for rows in batches) for b, p in enumerate(prompts)]
