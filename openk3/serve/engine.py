@@ -77,8 +77,10 @@ class EngineConfig:
     the copies cost 12% of kimi-linear-1.5b's parameters again; openk3/model/fused.py); None = on CUDA only.
     `overlap`: on the fast path, launch each decode step before reading the one before it, so that the host's work
     between steps runs while the device decodes (docs/engine.md "Overlapping the host with the device"); the same
-    tokens, each delivered one `step()` later (a prefill's first token is not delayed). None = with CUDA graphs and
-    no draft model; not with a draft (a speculative round reads every result before the next)."""
+    tokens, each delivered one `step()` later (a prefill's first token is not delayed); not with a draft (a
+    speculative round reads every result before the next). None = off: opt-in until the hard gate passes with it on
+    the GPU (docs/engine.md "Overlapping the host with the device": it failed there once, with a static prefill beside
+    a step in flight; that case now reads the step first, which has not run on a GPU yet)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -183,7 +185,7 @@ class Engine:
                              f"fast_decode={config.fast_decode})")
         # what decodes, and why not more (stats() reports it; a benchmark records it)
         self.decode_path = ("fast, CUDA graphs" if graphs else f"fast, eager ({problem})") if self.fast else "general"
-        self.overlap = config.overlap if config.overlap is not None else graphs and draft is None
+        self.overlap = bool(config.overlap)
         if self.overlap and (not self.fast or draft is not None):
             raise ValueError(f"EngineConfig.overlap=True overlaps the fast decode path's steps: it needs fast_decode "
                              f"(fast_decode={config.fast_decode}, model on {device}) and no draft model (a "
