@@ -260,12 +260,13 @@ class StepBuffers:
 
 @dataclass
 class Launched:
-    """A decode step queued on the device (`StaticDecoder.launch`): its output [3, B] (token, logprob, finite) and
-    fp32 logits [B, V] on the device, which the bucket's next replay rewrites in place; the output's copy on its way
-    to the host (pinned on CUDA), the event recorded after that copy (None on the CPU: copies there are done when
-    they return); its n real rows."""
+    """A decode step queued on the device (`StaticDecoder.launch`): its sampled tokens [B] (long) on the device for a
+    later step to feed, copied out of the step's output (None where no step will); its fp32 logits [B, V] (graph
+    memory: read before the next replay of any graph of the decoder); its output [3, B] (token, logprob, finite) on
+    its way to the host (pinned on CUDA), the event recorded after that copy (None on the CPU: copies there are done
+    when they return); its n real rows."""
 
-    out: Tensor
+    tokens: Tensor | None
     logits: Tensor
     host: Tensor
     copied: torch.cuda.Event | None
@@ -396,7 +397,9 @@ class StaticDecoder:
 
     def _capture(self, run, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple]:
         """Warm up `run(buf, greedy_only)` on a side stream (lazy inits, Triton autotuning), then capture it once.
-        -> the graph and what the captured call returned (its outputs, rewritten in place by every replay)."""
+        -> the graph and what the captured call returned (its outputs, rewritten in place by every replay).
+        NOTE: all graphs share `self.mempool`, so a graph's outputs may lie where a graph captured before it keeps
+        its temporaries: read them before the next replay of any graph, or copy them out (`launch`)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -417,8 +420,8 @@ class StaticDecoder:
         appends tokens[b] to seqs[b] (its KDA state in slot slots[b]): grow the page tables, pick the bucket, capture it
         the first time (graphs), copy the inputs in, replay (or run eagerly). `device_ids` [n, t]: the last t tokens of
         every row, already on the device (a draft's tokens), copied over those of `tokens` without a host round
-        trip. `after`: the output [3, B'] of the decode step before, whose tokens the rows with a `carry` in
-        `per_row` feed (`launch`). -> (the bucket's key, its buffers, what `run` returned). The lengths are left to
+        trip. `after`: the tokens [B'] the decode step before sampled (`Launched.tokens`), which the rows with a
+        `carry` in `per_row` feed (`launch`). -> (the bucket's key, its buffers, what `run` returned). The lengths are left to
         the caller."""
         T = len(tokens[0])
         for s in seqs:
@@ -438,8 +441,7 @@ class StaticDecoder:
             if device_ids is not None:
                 buf.ids[:len(seqs), T - device_ids.shape[1]:].copy_(device_ids)
             if after is not None:
-                # NOTE: read before this replay, in stream order: a replay of the same bucket rewrites `after`
-                carried = after[0].long()[(buf.carry - 1).clamp(min=0)]
+                carried = after[(buf.carry - 1).clamp(min=0)]
                 buf.ids[:, 0] = torch.where(buf.carry > 0, carried, buf.ids[:, 0])
             if self.graphs:
                 graph, result = self.captured[key]
@@ -452,21 +454,28 @@ class StaticDecoder:
 
     def launch(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
                seeds: list[int], counters: list[int], after: Launched | None = None,
-               carry: list[int | None] | None = None) -> Launched:
+               carry: list[int | None] | None = None, fed: bool = True) -> Launched:
         """Start decoding one token for every row, without waiting for the device: row b appends tokens[b] to
         seqs[b] (its KDA state in slot slots[b]) and samples with params[b], seeds[b] and counters[b] (the index of
         the token drawn, for `sample_batch`). `after`, `carry`: a row with carry[b] not None feeds instead the token
-        that row carry[b] of the step `after` sampled, taken on the device (that step need not be read yet).
+        that row carry[b] of the step `after` sampled, taken on the device (that step need not be read yet);
+        `fed=False`: no later launch will feed this step's tokens (`step`), which saves their copy.
         Grows the page tables and advances the lengths. Read the result with `collect`."""
         per_row = dict(top_k=[p.top_k for p in params], seed=seeds, counter=counters,
                        carry=[0 if c is None else c + 1 for c in carry or [None] * len(seqs)])
         floats = [[p.temperature for p in params], [p.top_p for p in params]]
         _, _, (out, logits) = self._launch("decode", self.run, seqs, slots, [[t] for t in tokens],
                                            all(p.greedy for p in params), per_row, floats,
-                                           after=None if all(c is None for c in carry or ()) else after.out)
+                                           after=None if all(c is None for c in carry or ()) else after.tokens)
         for s in seqs:
             s.length += 1
-        # the result's copy to the host is queued now, before a later replay of this bucket rewrites `out`
+        # NOTE: `out` is graph memory, and the decoder's graphs share one memory pool (`_capture`): a graph captured
+        # later may hold its outputs where one captured earlier keeps its temporaries, so a replay of any other
+        # graph (a static prefill's, before the next step) may overwrite `out` (as a replay of this one does). What
+        # is read of it later is copied out now, in stream order: the tokens for the next step to feed (a prefill
+        # between two overlapped steps fed garbage tokens on the H200, docs/engine.md "Overlapping the host with
+        # the device") and the result for the host.
+        tokens = out[0].long() if fed else None
         pinned = pinned_copies(self.device)
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=pinned)
         host.copy_(out, non_blocking=pinned)
@@ -474,7 +483,7 @@ class StaticDecoder:
         if pinned:
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self.device))
-        return Launched(out, logits, host, copied, len(seqs))
+        return Launched(tokens, logits, host, copied, len(seqs))
 
     def collect(self, launched: Launched) -> tuple[list[int], list[float], list[bool]]:
         """Wait for a launched step's result -> (tokens, fp32 logprobs, whether the row's logits were all finite);
@@ -488,7 +497,7 @@ class StaticDecoder:
              seeds: list[int], counters: list[int], with_logits: bool = False) -> tuple:
         """`launch` then `collect`: one decode step, waited for. `with_logits` adds the fp32 logits [n, V] (a copy,
         on the device) as a fourth element, for tests."""
-        launched = self.launch(seqs, slots, tokens, params, seeds, counters)
+        launched = self.launch(seqs, slots, tokens, params, seeds, counters, fed=False)
         logits = launched.logits[:launched.n].clone() if with_logits else None
         sampled = self.collect(launched)
         return (*sampled, logits) if with_logits else sampled

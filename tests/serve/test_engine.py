@@ -432,6 +432,18 @@ def test_cold_cached_and_speculative_decoding_agree(data, fast, overlap):
     gate(data, fast, overlap=overlap)
 
 
+@pytest.mark.parametrize("overlap", [None, True], ids=["plain", "overlapped"])
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_gate_with_graphs_sharing_a_pool(data, overlap, pooled_graphs):
+    """The hard gate on the fast path with its static runs as graphs that share a memory pool, as on CUDA
+    (`pooled_graphs`: a graph's outputs are overwritten by a replay of a graph captured before it): no output of
+    one is read after another's replay (overlapped: the tokens a step in flight hands the next, with static
+    prefills between them; speculative: the draft's snapshots, the verification's kept inputs)."""
+    gate(data, fast=True, overlap=overlap)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dense, overlap", [(True, None), (True, True), (False, None), (False, True)],

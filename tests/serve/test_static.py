@@ -769,3 +769,36 @@ def test_launched_steps_feed_each_other_on_the_device(device):
         assert t == wt and ok == wok and all(ok)
         assert max(abs(a - b) for a, b in zip(lp, wlp)) < 1e-5
     assert [s.length for s in seqs] == [len(p) + sum(b in rows for rows in batches) for b, p in enumerate(prompts)]
+
+
+def test_a_static_prefill_between_launched_steps_leaves_the_fed_tokens(pooled_graphs):
+    """Overlapped steps with another request's static prefill between them (as `Engine.step` runs a prefill while a
+    step is in flight): the next step feeds the tokens the step in flight sampled although the prefill's graphs,
+    captured before the step's, replayed after it, which may overwrite its outputs in the decoder's shared graph
+    pool (`pooled_graphs`; on the H200 the CUDA gate gave other greedy tokens, and a device-side assert): the tokens
+    and logprobs of steps read one by one."""
+    model = small_model("k3", seed=3, dense=True)
+    prompts, late = [[5, 6, 7, 8, 9], [9, 10, 11]], [1, 2, 3, 4, 5, 6, 7]
+
+    def launch(runner, seqs, step, tokens, after=None, carry=None):
+        return runner.launch_decode([0, 1], seqs, tokens, [GREEDY] * 2, [7, 8], [step] * 2, after, carry)
+
+    def runner_with_prompts():  # the prefills capture their pieces' graphs (4 + 1, 2 + 1 tokens) before the step's
+        runner = ModelRunner(model, num_pages=50, page_size=16, slots=4, static_prefill=True)
+        return runner, [prefill_and_join(runner, p, 32)[0] for p in prompts]
+
+    with torch.inference_mode():
+        runner, seqs = runner_with_prompts()
+        want = [runner.collect(launch(runner, seqs, 0, [3, 4]))]
+        want.append(runner.collect(launch(runner, seqs, 1, want[0][0])))
+
+        runner, seqs = runner_with_prompts()
+        first = launch(runner, seqs, 0, [3, 4])
+        seq, states = r_seq(runner, 8), runner.new_states()
+        runner.forward([seq], states, [late], logits_to_keep=1)  # 4 + 2 + 1 tokens: replays of graphs captured first
+        second = launch(runner, seqs, 1, [0, 0], first, [0, 1])
+        got = [runner.collect(first), runner.collect(second)]
+    assert runner.decoder.counters["graph_replays"] == 2 + 2 + 1 + 3 + 1  # prefills, step, prefill, step
+    for (t, lp, ok), (wt, wlp, wok) in zip(got, want):
+        assert t == wt and ok == wok and all(ok)
+        assert max(abs(a - b) for a, b in zip(lp, wlp)) < 1e-5
