@@ -79,8 +79,8 @@ class EngineConfig:
     between steps runs while the device decodes (docs/engine.md "Overlapping the host with the device"); the same
     tokens, each delivered one `step()` later (a prefill's first token is not delayed); not with a draft (a
     speculative round reads every result before the next). None = off: opt-in until the hard gate passes with it on
-    the GPU (docs/engine.md "Overlapping the host with the device": it failed there once, with a static prefill beside
-    a step in flight; that case now reads the step first, which has not run on a GPU yet)."""
+    the GPU (docs/engine.md "Overlapping the host with the device": it failed there once, a static prefill beside a
+    step in flight overwriting that step's output in the graph pool; the fix has not run on a GPU yet)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -357,10 +357,6 @@ class Engine:
         self._admit()
         t0 = time.perf_counter()
         if self.prefilling:
-            # NOTE: the decode step in flight is read first. A static prefill (runner.py `_prefill_static`) beside
-            # an unread step gave other greedy tokens in the CUDA gate on the H200 (dense model, graphs, 3
-            # conversations), with neither alone; the cause was not found in this session's device time
-            self._drain(outputs)
             self._prefill(outputs)
         t1 = time.perf_counter()
         if self.running:

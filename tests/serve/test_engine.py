@@ -124,8 +124,7 @@ def test_overlapped_steps_emit_the_same_tokens():
         for r, w, first_turn in zip(got, want, [over[b] for b in done]):
             assert r.output == w.output and max(abs(x - y) for x, y in zip(r.logprobs, w.logprobs)) < 1e-4
             # resumed at the end of the first turn, whose last token was never fed; overlapped, a turn whose stop
-            # was read at a step() without prefill had its step after the stop launched already, and its checkpoint
-            # holds the stop token too (a step() with prefill reads the step in flight first: `Engine.step`)
+            # was read had its step after the stop launched already, and its checkpoint may hold the stop token too
             full = len(first_turn.prompt) + len(first_turn.output)
             stopped = overlap and first_turn.finish_reason == "stop"
             assert r.cached_tokens in ((full - 1, full) if stopped else (full - 1,)), overlap
@@ -455,8 +454,9 @@ def test_the_gate_on_cuda_on_the_fast_path(data, dense, overlap):
     CUDA graphs for a dense-FFN model, eagerly for the MoE one (fp32 routed experts cannot be captured,
     `capture_problem`); each also with its steps overlapped with the host's work (opt-in: pinned input copies, the
     result read one step late, each step's tokens fed to the next on the device). NOTE: the overlapped dense case
-    failed on the H200 once (other greedy tokens with 3 conversations, and a device-side assert in some example),
-    with a static prefill beside a step in flight, which `Engine.step` no longer runs. NOTE: with fla, Triton
+    failed on the H200 once (other greedy tokens with 3 conversations, and a device-side assert in some example):
+    a static prefill's graph overwrote the output of the step in flight in the shared pool, since fixed
+    (`test_the_gate_with_graphs_sharing_a_pool` checks it on the CPU) and not yet run here. NOTE: with fla, Triton
     computes fp32 dot products in TF32 on Hopper, so its chunked prefill and its decode step differ by ~1e-3 in fp32
     (measured on the H200, bench/engine_bench.py's device check): the logprobs are held to 1e-2 there."""
     from openk3.ops import select_kda_backend
