@@ -17,6 +17,7 @@ is what `moe_gemv.GEMV_MAX_SLOTS` (T*K) should be.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=1536, help="D, the experts' input and output size")
     p.add_argument("--act", choices=["swiglu", "situ"], default="swiglu", help="kimi-linear: swiglu, K3: situ")
     p.add_argument("--blocks", type=parse_blocks, nargs="+", default=[None],
-                   help="GEMV tile sets BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 (default: the module's)")
+                   help="GEMV tile sets BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2[,WARPS1,WARPS2] (default: the module's)")
     p.add_argument("--calls", type=int, default=20, help="calls per timing (and per captured graph)")
     p.add_argument("--layers", type=int, default=1,
                    help="copies of the weights the calls cycle over (15: kimi-linear-1.5b's MoE layers, which "
@@ -151,7 +152,7 @@ def main() -> None:
             # --layers: the calls cycle over that many copies of the weights (as a step's MoE layers do), so that a
             # call reads its experts from memory, not from the L2 cache the previous call filled
             weights = [(w1, w2, w3)] + [tuple(t.clone() for t in (w1, w2, w3)) for _ in range(args.layers - 1)]
-            turn = iter(range(10 ** 12))
+            turn = itertools.count()
 
             def cycled(run):
                 return lambda: run(*weights[next(turn) % len(weights)])

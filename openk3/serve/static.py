@@ -421,8 +421,8 @@ class StaticDecoder:
         the first time (graphs), copy the inputs in, replay (or run eagerly). `device_ids` [n, t]: the last t tokens of
         every row, already on the device (a draft's tokens), copied over those of `tokens` without a host round
         trip. `after`: the tokens [B'] the decode step before sampled (`Launched.tokens`), which the rows with a
-        `carry` in `per_row` feed (`launch`). -> (the bucket's key, its buffers, what `run` returned). The lengths are left to
-        the caller."""
+        `carry` in `per_row` feed (`launch`). -> (the bucket's key, its buffers, what `run` returned). The lengths
+        are left to the caller."""
         T = len(tokens[0])
         for s in seqs:
             s.grow(self.pool, s.length + T)
