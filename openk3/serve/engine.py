@@ -603,7 +603,7 @@ class Engine:
         launched = self.target.launch_decode(
             batch, [r.seq for r in reqs], [r.output[-1] for r in reqs], [r.params for r in reqs],
             [r.sample_seed for r in reqs], [drawn[r] for r in reqs], None if before is None else before[1],
-            [unread.get(r) for r in reqs])
+            [unread.get(r) for r in reqs], fed=self.overlap)
         return reqs, launched
 
     def _collect_static(self, in_flight: tuple[list[Request], Launched], outputs: list[StepOutput]) -> None:

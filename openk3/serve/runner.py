@@ -147,13 +147,14 @@ class ModelRunner:
 
     def launch_decode(self, batch: list[int], seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams],
                       seeds: list[int], counters: list[int], after: Launched | None = None,
-                      carry: list[int | None] | None = None) -> Launched:
+                      carry: list[int | None] | None = None, fed: bool = True) -> Launched:
         """The fast path's decode step for rows `batch` of the decode batch (seqs[i] is row batch[i]'s), queued
-        without waiting for it; `after`, `carry`: rows that feed a token of the step `after` (not read yet). See
-        `StaticDecoder.launch`; read it with `collect`."""
+        without waiting for it; `after`, `carry`: rows that feed a token of the step `after` (not read yet); `fed`:
+        whether a later step may. See `StaticDecoder.launch`; read it with `collect`."""
         if self.decoder is None:
             raise RuntimeError("launch_decode is the fast path's step: build the runner with slots=")
-        return self.decoder.launch(seqs, [self.rows[b] for b in batch], tokens, params, seeds, counters, after, carry)
+        return self.decoder.launch(seqs, [self.rows[b] for b in batch], tokens, params, seeds, counters, after, carry,
+                                   fed)
 
     def collect(self, launched: Launched) -> tuple[list[int], list[float], list[bool]]:
         """Wait for a step of `launch_decode` -> (tokens, fp32 logprobs, finite) per row (`StaticDecoder.collect`)."""
