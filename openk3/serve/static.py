@@ -366,7 +366,9 @@ class StaticDecoder:
         """Model forward over T prompt tokens a row (a piece of a prefill chunk, `prefill`) -> the fp32 logits of each
         row's last token [B, V]. Its KDA layers run fla's chunked kernel over more than RECURRENT_SEGMENT_TOKENS
         tokens (`KDAState.chunked`): captured, it costs no host time."""
-        kda = self.slots.view(buf.slots, gather=True, chunked=True)
+        # a one-token piece with fla updates the pool's recurrent rows in place, as a decode step (`_run`)
+        kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not (self.in_place and buf.T == 1),
+                              chunked=True)
         logits = self.model(buf.ids, cache=self._cache(buf, kda), logits_to_keep=1, validate=False).logits[:, -1]
         self._reset_padding()
         return logits.float()
