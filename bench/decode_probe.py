@@ -4,7 +4,7 @@ whole requests against transformers) with the split that says whether a path is 
 gaps between them (the host's launches, or a CUDA graph's kernel-to-kernel latency).
 
     python bench/decode_probe.py kda hit decode:1 decode:16 decode:64 decode:64:c --out bench/results/decode_probe
-    python bench/decode_probe.py decode:1 decode:64 --overlap     # the engine's steps overlapped with the host
+    python bench/decode_probe.py decode:1 decode:64 --overlap off # the engine's steps not overlapped with the host
 
 Parts (any order, each written to <out>/probe.json as it finishes, with its profile table beside it; the first
 row of each profile's `top` is the device's busy ms against the wall ms of the profiled steps):
@@ -187,14 +187,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("parts", nargs="+", help="kda, hit, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
-    p.add_argument("--overlap", action="store_true",
-                   help="EngineConfig(overlap=True) for the decode and hit parts (opt-in; as in "
-                        "bench/vs_transformers_decode.py)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
+                        "(auto: the engine's default, on with CUDA graphs) [auto]")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_probe.py needs CUDA")
     a.out.mkdir(parents=True, exist_ok=True)
-    args = bench_args(["--skip-transformers"] + ["--overlap"] * a.overlap)
+    args = bench_args(["--skip-transformers", "--overlap", a.overlap])
     args.pool_pages = 64 * 12 + 64
     rng = random.Random(0)
     results = {"hardware": hardware(torch.device("cuda")), "command": " ".join(sys.argv[1:])}

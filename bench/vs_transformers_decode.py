@@ -135,13 +135,16 @@ def load_transformers(ckpt: Path, args):
     return model
 
 
+OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.overlap
+
+
 def engine_for(model, args, batch: int, draft=None, **kw) -> Engine:
     pages = kw.pop("num_pages", None) or args.pool_pages
     fast = {"auto": None, "fast": True, "general": False}[args.decode_path]
     return Engine(model, EngineConfig(page_size=args.page_size, num_pages=pages, max_batch=batch,
                                       prefill_chunk=args.prefill_chunk, fast_decode=fast,
                                       compile_decode=args.compile_decode,
-                                      overlap=args.overlap and draft is None, **kw), draft=draft)
+                                      overlap=OVERLAP[args.overlap] if draft is None else None, **kw), draft=draft)
 
 
 # ------------------------------------------------------------------------------------------ parts
@@ -632,9 +635,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="part profile: profile the step as the engine runs it (CUDA graphs on) [graphs off]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the fast path's decode step")
-    p.add_argument("--overlap", action="store_true",
-                   help="EngineConfig(overlap=True): each decode step launched before the one before it is read "
-                        "(opt-in; not with a draft model)")
+    p.add_argument("--overlap", choices=sorted(OVERLAP), default="auto",
+                   help="EngineConfig.overlap of the engines without a draft: each decode step launched before the "
+                        "one before it is read; auto = the engine's default (on with CUDA graphs) [auto]")
     p.add_argument("--decode-path", choices=("auto", "fast", "general"), default="auto",
                    help="the engine's decode path: its default (fast on CUDA), or forced [auto]")
     args = p.parse_args(argv)

@@ -78,9 +78,8 @@ class EngineConfig:
     `overlap`: on the fast path, launch each decode step before reading the one before it, so that the host's work
     between steps runs while the device decodes (docs/engine.md "Overlapping the host with the device"); the same
     tokens, each delivered one `step()` later (a prefill's first token is not delayed); not with a draft (a
-    speculative round reads every result before the next). None = off: opt-in until the hard gate passes with it on
-    the GPU (docs/engine.md "Overlapping the host with the device": it failed there once, a static prefill beside a
-    step in flight overwriting that step's output in the graph pool; the fix has not run on a GPU yet)."""
+    speculative round reads every result before the next). None = on where the fast path runs with CUDA graphs and
+    no draft (the hard gate passes with it on the H200, `test_the_gate_on_cuda_on_the_fast_path`)."""
 
     page_size: int = 64
     num_pages: int = 1024
@@ -185,7 +184,7 @@ class Engine:
                              f"fast_decode={config.fast_decode})")
         # what decodes, and why not more (stats() reports it; a benchmark records it)
         self.decode_path = ("fast, CUDA graphs" if graphs else f"fast, eager ({problem})") if self.fast else "general"
-        self.overlap = bool(config.overlap)
+        self.overlap = config.overlap if config.overlap is not None else self.fast and graphs and draft is None
         if self.overlap and (not self.fast or draft is not None):
             raise ValueError(f"EngineConfig.overlap=True overlaps the fast decode path's steps: it needs fast_decode "
                              f"(fast_decode={config.fast_decode}, model on {device}) and no draft model (a "
