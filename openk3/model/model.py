@@ -379,6 +379,8 @@ class KimiDeltaAttention(nn.Module):
         # internal error in its shape guards); with fla's decode kernel as a custom op (no graph break) the compiled
         # step wrote wrong conv tails on the H200 (right on the CPU; docs/engine.md "The compiled step and fla");
         # the reference chain traces whole and matches an uncached forward there
+        if backend.fused and isinstance(state, SlotKDAState) and state.token_rows is not None:
+            return self.forward_fused(x, cu_seqlens, state, recurrent=True)  # a verification keeping every state
         if backend.fused and (state is None or not keep_inputs):
             token_by_token = state is not None and B * T <= RECURRENT_MAX_TOKENS \
                 and not (state.chunked and T > RECURRENT_SEGMENT_TOKENS)
@@ -417,7 +419,9 @@ class KimiDeltaAttention(nn.Module):
         from its tail and the recurrence from its state, and both are updated as `forward` updates them (inputs
         None). `recurrent` (with a state, forward only): fla's token-by-token kernel in place of chunk_kda, with
         beta's sigmoid inside it too; a decode step of the engine's slot pool (T = 1) updates the pool's rows where
-        they are (`recurrent_gated`, docs/engine.md "KDA from a cache, token by token"). Same math as the reference
+        they are (`recurrent_gated`, docs/engine.md "KDA from a cache, token by token"), and a speculative
+        verification over the slot pool (`SlotKDAState.token_rows`) writes the state after each of its tokens to its
+        own pool row and keeps {"qkv", "conv"} in `inputs` for the conv tail's rollback. Same math as the reference
         pieces below; tests/model/test_kda_backends_gpu.py checks a training step (its fused=1 cases) and a cached
         prefill and decode both ways against them on the GPU, tests/model/test_kda_fused_routing.py the routing
         and the slot pool on any machine."""
@@ -433,6 +437,8 @@ class KimiDeltaAttention(nn.Module):
         if not recurrent:
             o, final = outside_graph(kda_fused.chunk_gated, q, k, v, f, torch.sigmoid(b.float()), *gate, cu_seqlens,
                                      initial_state=state.recurrent if state is not None else None)
+        elif isinstance(state, SlotKDAState) and state.token_rows is not None:  # every token's state kept in the pool
+            o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, *state.pool_token_rows())
         elif T == 1 and isinstance(state, SlotKDAState):  # the engine's slot pool: its rows updated where they are
             o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, *state.pool_rows())
         else:
@@ -441,7 +447,10 @@ class KimiDeltaAttention(nn.Module):
             state.conv = self.conv_tail(tail, qkv_in)
             if final is not None:  # (None: updated in the pool)
                 state.recurrent = final
-            state.inputs = None
+            # a verification keeping every token's state keeps what its conv tail's rollback reads: the raw inputs
+            # and the tail before them (serve/cache.py `kept_conv_tail`)
+            per_token = isinstance(state, SlotKDAState) and state.token_rows is not None
+            state.inputs = {"qkv": qkv_in, "conv": tail} if per_token else None
         o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 

@@ -105,21 +105,32 @@ class SlotKDAState:
 
     `recurrent` and `conv` (optional): the rows already gathered (the static step gathers every layer's rows in one
     op, serve/static.py `SlotPool.view`); gets return them until a set writes the pool.
+    `token_rows` (optional, [B, T], column T - 1 = `rows`): a speculative verification over T tokens a row that
+    keeps the state after every token, the one after token t in pool row token_rows[b, t] (fla's kernel writes them,
+    model.py `forward_fused`); its rollback is then a copy of one row (serve/static.py `StaticDecoder.rollback`).
     NOTE: rows that only pad a batch to its CUDA-graph bucket point at a scratch slot and write what they computed
     there; whoever pads (the static step) zeroes the scratch slot again after its forward (`SlotPool.clear_scratch`)."""
 
     def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, rows: Tensor, recurrent: Tensor | None = None,
-                 conv: Tensor | None = None, chunked: bool = False):
+                 conv: Tensor | None = None, chunked: bool = False, token_rows: Tensor | None = None):
         self.recurrent_pool, self.conv_pool, self.rows = recurrent_pool, conv_pool, rows
         self._gathered = {"recurrent": recurrent, "conv": conv}
         self.inputs: dict[str, Tensor] | None = None
         self.chunked = chunked  # see KDAState.chunked
+        self.token_rows = token_rows
 
     def pool_rows(self) -> tuple[Tensor, Tensor]:
         """(the recurrent pool [N, H, K, K] fp32, the batch's rows in it [B]) for a kernel that updates the rows in
         place (ops/kda/fused.py `recurrent_gated`); rows gathered before are stale after it."""
         self._gathered["recurrent"] = None
         return self.recurrent_pool, self.rows
+
+    def pool_token_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """`pool_rows` for a verification that keeps every token's state (`token_rows`): (the pool, token_rows
+        [B, T], the tokens a row holds [B] int32, all T: the kernel reads row b's state from token_rows[b, T - 1])."""
+        self._gathered["recurrent"] = None
+        B, T = self.token_rows.shape
+        return self.recurrent_pool, self.token_rows, torch.full((B,), T, dtype=torch.int32, device=self.rows.device)
 
     def _read(self, name: str, pool: Tensor) -> Tensor:
         rows = self._gathered[name]

@@ -103,10 +103,16 @@ def rollback_kda(state: KDAState, committed: KDAState, inputs: dict[str, Tensor]
     recurrent = select_kda_backend(k.device).recurrent
     _, state.recurrent = recurrent(k, k, v, g, beta, scale=k.shape[-1] ** -0.5, initial_state=committed.recurrent,
                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-    W1 = committed.conv.shape[1]
-    full = torch.cat([committed.conv, qkv.to(committed.conv.dtype)], dim=1)  # [B, W-1+T, 3HK]
-    idx_BW = keep_B[:, None] + torch.arange(W1, device=k.device)[None, :]  # the W-1 inputs before the first dropped
-    state.conv = full.gather(1, idx_BW[:, :, None].expand(-1, -1, full.shape[-1]))
+    state.conv = kept_conv_tail(committed.conv, qkv, keep_B)
+
+
+def kept_conv_tail(tail: Tensor, qkv: Tensor, keep_B: Tensor) -> Tensor:
+    """The conv tail after the first keep_B[b] of a segment's raw inputs qkv [B, T, 3HK], from the tail before the
+    segment [B, W-1, 3HK]: the W-1 inputs before the first dropped one, in the tail's dtype."""
+    W1 = tail.shape[1]
+    full = torch.cat([tail, qkv.to(tail.dtype)], dim=1)  # [B, W-1+T, 3HK]
+    idx_BW = keep_B[:, None] + torch.arange(W1, device=tail.device)[None, :]
+    return full.gather(1, idx_BW[:, :, None].expand(-1, -1, full.shape[-1]))
 
 
 # ------------------------------------------------------------------------------------------ the page pool

@@ -202,8 +202,10 @@ class Engine:
             raise ValueError("EngineConfig.compile_decode=True with a draft model: speculative decoding does not run "
                              "the compiled decode step; drop one of the two")
         fuse = config.fuse_projections if config.fuse_projections is not None else device.type == "cuda"
+        # a greedy round on the fast path verifies k + 1 tokens keeping each one's KDA state (static.py `_verify_run`)
+        spec_tokens = config.num_draft_tokens if draft is not None and self.fast else 0
         self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
-                                  compile=config.compile_decode, fuse=fuse)
+                                  compile=config.compile_decode, fuse=fuse, spec_tokens=spec_tokens)
         self.model, self.pool = self.target.model, self.target.pool
         self.device, self.dtype = self.target.device, self.target.dtype
         self.prefix = PrefixCache(self.pool, config.hash_interval) if config.prefix_cache else None

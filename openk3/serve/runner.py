@@ -29,10 +29,11 @@ from torch import Tensor
 
 from openk3.model.fused import FusedProjections, applied, fuse_projections
 from openk3.model.model import K3ForCausalLM
+from openk3.ops import select_kda_backend
 from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, device_tensor, new_kda_states,
                                 paged_cache, rollback_kda, select_kda_rows)
 from openk3.serve.sampler import SamplingParams
-from openk3.serve.static import Launched, SlotPool, StaticDecoder
+from openk3.serve.static import Launched, SlotPool, StaticDecoder, batch_bucket
 
 # The longest prefill chunk (tokens a row) the fast path runs as static runs (`ModelRunner(static_prefill=)`): the
 # engine's default `prefill_chunk`, so a short prompt or the new tokens of a turn after a prefix hit run captured
@@ -48,20 +49,24 @@ class ModelRunner:
 
     def __init__(self, model: K3ForCausalLM, num_pages: int, page_size: int, slots: int | None = None,
                  graphs: bool = False, compile: bool | str = False, fuse: bool = False,
-                 static_prefill: bool | None = None):
+                 static_prefill: bool | None = None, spec_tokens: int = 0):
         """slots: run the fast decode path with a KDA slot pool for that many running sequences (None: the
         general path); graphs: capture its steps as CUDA graphs (CUDA only); compile: torch.compile the step
         first (True, or a torch.compile backend name; `StaticDecoder`); fuse: compute each module's input
         projections with one matmul over a stacked copy of their weights (openk3/model/fused.py), refreshed before
         every forward so that in-place weight updates (RL, `Engine.load_weights`) are seen; static_prefill: run
         prefill chunks of at most STATIC_PREFILL_TOKENS tokens as static runs on the fast path (`forward`); None =
-        where they are captured (`graphs`): eagerly they only cost more forwards."""
+        where they are captured (`graphs`): eagerly they only cost more forwards; spec_tokens: the draft tokens k
+        of the speculative rounds this runner verifies (fast path): with fla's kernels the slot pool then keeps
+        spare rows for the state after each verified token but the last, batch_bucket(slots) * k of them
+        (`SlotPool(spare=)`), and a verification's rollback is a copy (`StaticDecoder._verify_run`)."""
         self.model = model
         self.fused: FusedProjections | None = fuse_projections(model) if fuse else None
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
-        self.slots = SlotPool(model.config, slots, self.device, self.dtype) if slots is not None else None
+        spare = batch_bucket(slots) * spec_tokens if slots is not None and select_kda_backend(self.device).fused else 0
+        self.slots = SlotPool(model.config, slots, self.device, self.dtype, spare) if slots is not None else None
         self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
             if slots is not None else None
         self.static_prefill = self.decoder is not None and (graphs if static_prefill is None else static_prefill)

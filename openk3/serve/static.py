@@ -50,7 +50,8 @@ from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import select_kda_backend, select_moe_backend
-from openk3.serve.cache import PagedSeq, PagePool, device_tensor, pinned_copies, rollback_kda, upload
+from openk3.serve.cache import (PagedSeq, PagePool, device_tensor, kept_conv_tail, pinned_copies, rollback_kda,
+                                upload)
 from openk3.serve.sampler import SamplingParams, sample_batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -91,26 +92,31 @@ def page_bucket(n: int) -> int:
 class SlotPool:
     """Preallocated KDA states for up to `slots` running sequences, per KDA layer (module docstring).
 
-    All layers' states of a kind live in one tensor, layer l's slot s at row l * (S + 1) + s: the recurrent states
-    [L * (S + 1), H, K, K] fp32 and the conv tails [L * (S + 1), W-1, 3*H*K]. So the static step reads all layers'
-    rows with one gather and resets all scratch slots with one fill, instead of an op per layer for each, and every
-    write of a layer's rows (an `index_copy_`, fla's in-place decode kernel) goes into one of those two tensors by row
-    number, not into a view of it (the exception: `clear_scratch`'s strided fill): under torch.compile each is then
-    one graph input that the step mutates, with no aliased inputs (docs/engine.md "Fast decode path")."""
+    All layers' states of a kind live in one tensor, layer l's slot s at row l * R + s (R = S + 1 + spare rows):
+    the recurrent states [L * R, H, K, K] fp32 and the conv tails [L * R, W-1, 3*H*K]. So the static step reads all
+    layers' rows with one gather and resets all scratch slots with one fill, instead of an op per layer for each, and
+    every write of a layer's rows (an `index_copy_`, fla's in-place decode kernel) goes into one of those two tensors
+    by row number, not into a view of it (the exception: `clear_scratch`'s strided fill): under torch.compile each is
+    then one graph input that the step mutates, with no aliased inputs (docs/engine.md "Fast decode path").
+    `spare`: recurrent rows after the slots (layer l's at l * R + S + 1 ...) where a speculative verification keeps
+    the state after each of its tokens but the last (`view(tokens=)`), B * (T - 1) of them for B rows of T tokens."""
 
-    def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype):
+    def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype, spare: int = 0):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots={slots!r}: must be a positive integer")
+        if not isinstance(spare, int) or spare < 0:
+            raise ValueError(f"spare={spare!r}: must be a non-negative integer")
         lac = config.linear_attn_config
         H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
         n = config.layer_types.count("kda")
-        self.recurrent_all = torch.zeros(n * (slots + 1), H, K, K, device=device)
-        self.conv_all = torch.zeros(n * (slots + 1), W - 1, 3 * H * K, device=device, dtype=dtype)
-        # per-layer views [S + 1, ...], for the host's copies (`take`) and for reading
-        self.recurrent = list(self.recurrent_all.view(n, slots + 1, H, K, K).unbind(0))
-        self.conv = list(self.conv_all.view(n, slots + 1, W - 1, 3 * H * K).unbind(0))
-        self.layer_rows = torch.arange(n, device=device)[:, None] * (slots + 1)  # [L, 1]: layer l's slot 0
-        self.size = slots
+        R = self.stride = slots + 1 + spare
+        self.recurrent_all = torch.zeros(n * R, H, K, K, device=device)
+        self.conv_all = torch.zeros(n * R, W - 1, 3 * H * K, device=device, dtype=dtype)
+        # per-layer views [R, ...], for the host's copies (`take`) and for reading
+        self.recurrent = list(self.recurrent_all.view(n, R, H, K, K).unbind(0))
+        self.conv = list(self.conv_all.view(n, R, W - 1, 3 * H * K).unbind(0))
+        self.layer_rows = torch.arange(n, device=device)[:, None] * R  # [L, 1]: layer l's slot 0
+        self.size, self.spare = slots, spare
         self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
 
     def take(self, states: list[KDAState], row: int = 0) -> int:
@@ -136,22 +142,34 @@ class SlotPool:
         self.free.append(slot)
 
     def view(self, slots: Tensor, gather: bool = False, gather_recurrent: bool = True,
-             chunked: bool = False) -> list[SlotKDAState]:
+             chunked: bool = False, tokens: int | None = None) -> list[SlotKDAState]:
         """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer. `gather`: read every layer's
         rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does);
         `gather_recurrent=False` leaves the recurrent rows out of it (fla's decode kernel updates them in the pool
         in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written). `chunked`: see
-        `KDAState.chunked`."""
+        `KDAState.chunked`. `tokens` (T): a verification over T tokens a row that keeps every token's state
+        (`SlotKDAState.token_rows`): row b's state after token t < T - 1 goes to spare row b * (T - 1) + t, after
+        the last token to its slot (`fits_tokens`)."""
         rows = self.rows(slots)
-        L = rows.shape[0]
-        conv = rec = [None] * L
+        L, B = rows.shape
+        conv = rec = token_rows = [None] * L
         if gather:
             conv = self.conv_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.conv_all.shape[1:]).unbind(0)
             if gather_recurrent:
                 rec = self.recurrent_all.index_select(0, rows.view(-1)) \
                     .view(*rows.shape, *self.recurrent_all.shape[1:]).unbind(0)
-        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c, chunked)
-                for i, r, c in zip(rows.unbind(0), rec, conv)]
+        if tokens is not None:
+            if not self.fits_tokens(B, tokens):
+                raise ValueError(f"{B} rows of {tokens} tokens need {B * (tokens - 1)} spare rows, the pool has "
+                                 f"{self.spare}")
+            spare = self.size + 1 + torch.arange(B * (tokens - 1), device=slots.device).view(1, B, tokens - 1)
+            token_rows = torch.cat([self.layer_rows[:, :, None] + spare, rows[:, :, None]], dim=2).unbind(0)
+        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c, chunked, t)
+                for i, r, c, t in zip(rows.unbind(0), rec, conv, token_rows)]
+
+    def fits_tokens(self, B: int, T: int) -> bool:
+        """Whether the spare rows hold a verification's states after each of T tokens of B rows but the last."""
+        return B * (T - 1) <= self.spare
 
     def rows(self, slots: Tensor) -> Tensor:
         """[L, B]: the rows in the pools of the slots [B], layer by layer."""
@@ -173,8 +191,8 @@ class SlotPool:
 
     def clear_scratch(self) -> None:
         """Slot 0 of every layer back to the zero state, after a step whose padding rows wrote there."""
-        self.recurrent_all[::self.size + 1].zero_()
-        self.conv_all[::self.size + 1].zero_()
+        self.recurrent_all[::self.stride].zero_()
+        self.conv_all[::self.stride].zero_()
 
 
 class StaticMLA:
@@ -349,10 +367,17 @@ class StaticDecoder:
         """Model forward over T tokens a row (a speculative verification), keeping what `_rollback_run` needs ->
         ([4, B, T] float64: the greedy token after each position, its logprob, whether the row's logits were all
         finite, the token fed there; the fp32 logits [B, T, V]; (the layers' slot states, their committed states,
-        their per-token inputs)). The KDA layers run the reference chain (`keep_inputs`), from every layer's rows
-        gathered in one op: those gathered rows are the committed states."""
-        kda = self.slots.view(buf.slots, gather=True)
-        committed = [KDAState(s.recurrent, s.conv) for s in kda]
+        their per-token inputs)). With fla (the in-place decode kernel) and spare rows enough in the slot pool
+        (`SlotPool.fits_tokens`), the KDA layers run fla's token-by-token kernel writing the state after every
+        token to its own pool row (`SlotPool.view(tokens=)`): the committed states are then None, and the inputs
+        the raw projections and the conv tails before them. Else they run the reference chain (`keep_inputs`), from
+        every layer's rows gathered in one op: those gathered rows are the committed states."""
+        if self.in_place and self.slots.fits_tokens(buf.B, buf.T):
+            kda = self.slots.view(buf.slots, gather=True, gather_recurrent=False, tokens=buf.T)
+            committed = None
+        else:
+            kda = self.slots.view(buf.slots, gather=True)
+            committed = [KDAState(s.recurrent, s.conv) for s in kda]
         logits = self.model(buf.ids, cache=self._cache(buf, kda), keep_inputs=True, validate=False).logits.float()
         self._reset_padding()
         tokens = logits.argmax(-1)
@@ -392,9 +417,21 @@ class StaticDecoder:
 
     def _rollback_run(self, buf: StepBuffers, saved: tuple) -> None:
         """After `_verify_run`: every layer's rows back to their committed state plus the first `buf.keep[b]` tokens
-        of the verified ones (cache.py `rollback_kda`, written into the pool by row)."""
-        for state, committed, inputs in zip(*saved):
-            rollback_kda(state, committed, inputs, buf.keep)
+        of the verified ones (keep >= 1 where the verification kept every token's state: a copy of the state after
+        token keep - 1 for every layer in one op, and the conv tail re-read, cache.py `kept_conv_tail`; else
+        cache.py `rollback_kda`, written into the pool by row). A padding row (keep 0) writes its scratch slot."""
+        states, committed, inputs = saved
+        if committed is None:
+            token_rows = torch.stack([s.token_rows for s in states])  # [L, B, T]
+            last = (buf.keep - 1).clamp(min=0)[None, :, None].expand(token_rows.shape[0], -1, 1)
+            pool = self.slots.recurrent_all
+            kept_states = pool.index_select(0, token_rows.gather(2, last).flatten())
+            pool.index_copy_(0, token_rows[..., -1].flatten(), kept_states)
+            for state, kept in zip(states, inputs):
+                state.conv = kept_conv_tail(kept["conv"], kept["qkv"], buf.keep)
+        else:
+            for state, before, kept in zip(states, committed, inputs):
+                rollback_kda(state, before, kept, buf.keep)
         self.slots.clear_scratch()
 
     def _capture(self, run, buf: StepBuffers, greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, tuple]:
@@ -557,8 +594,10 @@ class StaticDecoder:
         """After `verify`: row b's KDA states back to its state before the verification plus its first keep[b]
         tokens (the engine rolls the lengths back; the MLA latents past a row's length are never read). Captured
         per bucket the first time. NOTE: its warmup really runs the rollback (twice) on this round's rows, and that is
-        harmless: it reads only the verification's kept tensors (committed states, per-token inputs) and `keep`, never
-        the rows it writes, so every run writes the same states."""
+        harmless: it reads only the verification's kept tensors (committed states, per-token inputs, or the spare
+        rows of every token's state) and `keep`, never the rows it writes, so every run writes the same states."""
+        if min(keep) < 1:
+            raise ValueError(f"rollback keep={keep}: every row keeps its first verified token (the pending one)")
         key, buf, saved = self._verified
         rows = torch.zeros(buf.B, dtype=torch.long)
         rows[:len(keep)] = torch.tensor(keep)

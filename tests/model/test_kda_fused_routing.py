@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import openk3.model.model as model_module
+import openk3.serve.runner as runner_module
 import openk3.serve.static as static_module
 from openk3.model.model import causal_conv_silu, kda_decay
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
@@ -25,7 +26,7 @@ from openk3.ops.kda import fused as kda_fused
 from openk3.serve.runner import ModelRunner
 from tests.helpers import rel_err
 from tests.serve.test_cache import small_model
-from tests.serve.test_static import greedy_step_logits, prefill_and_join
+from tests.serve.test_static import SYNCING_OPS, OpNames, greedy_step_logits, prefill_and_join, verify_both_ways
 
 
 def contiguous(**tensors):
@@ -34,14 +35,30 @@ def contiguous(**tensors):
 
 
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state,
-                            output_final_state=False, ssm_state_indices=None, use_qk_l2norm_in_kernel=False,
-                            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, lower_bound=None, out=None):
+                            output_final_state=False, ssm_state_indices=None, num_accepted_tokens=None,
+                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                            lower_bound=None, out=None):
     contiguous(q=q, k=k, v=v, g=g, beta=beta)
     assert out is not None and out.shape == v.shape
     assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel
+    g, beta = kda_decay(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float())
+    if ssm_state_indices is not None and ssm_state_indices.ndim == 2:
+        # fla's speculative-decoding mode: row n's state read at [n, accepted[n] - 1], the state after token t
+        # written to [n, t] (every row's reads before any write, as each of the kernel's programs reads first)
+        contiguous(ssm_state_indices=ssm_state_indices)
+        assert inplace_final_state and num_accepted_tokens.dtype == torch.int32
+        idx = ssm_state_indices
+        h = initial_state[idx.gather(1, num_accepted_tokens.long()[:, None] - 1)[:, 0]]
+        for t in range(q.shape[1]):
+            o, h = naive_recurrent_kda(*(x[:, t:t + 1] for x in (q, k, v, g, beta)), scale=scale, initial_state=h,
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+            out[:, t:t + 1] = o
+            initial_state[idx[:, t]] = h
+        return out, initial_state
+    assert num_accepted_tokens is None
     h0 = initial_state[ssm_state_indices] if ssm_state_indices is not None else initial_state
-    o, ht = naive_recurrent_kda(q, k, v, kda_decay(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float()),
-                                scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
     if inplace_final_state:
         assert q.shape[1] == 1 and ssm_state_indices is not None
         initial_state[ssm_state_indices] = ht
@@ -100,14 +117,14 @@ def fake_fla(monkeypatch):
             setattr(module, key, recorded(fn))
         monkeypatch.setitem(sys.modules, name, module)
     backend = KDABackend("fla", "stand-ins (tests)", chunk_kda_torch, naive_recurrent_kda, fused=True)
-    for module in (model_module, static_module):
+    for module in (model_module, static_module, runner_module):
         monkeypatch.setattr(module, "select_kda_backend", lambda device: backend)
     return calls
 
 
 def reference_backend(monkeypatch):
     backend = KDABackend("torch", "reference (tests)", chunk_kda_torch, naive_recurrent_kda)
-    for module in (model_module, static_module):
+    for module in (model_module, static_module, runner_module):
         monkeypatch.setattr(module, "select_kda_backend", lambda device: backend)
 
 
@@ -165,3 +182,50 @@ def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch)
     want = serve(ModelRunner(model, num_pages=64, page_size=4), prompts, joins, steps)
     for step, (a, b) in enumerate(zip(fused, want)):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5, (step, rel_err(a, b))
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
+def test_a_verification_keeping_every_state_rolls_back_by_a_copy(family, fake_fla, monkeypatch):
+    """With fla's kernels and spare rows in the slot pool (`ModelRunner(spec_tokens=)`), the static verification of
+    k + 1 = 4 tokens a row runs fla's token-by-token kernel once per KDA layer, writing the state after every token
+    to its own pool row, and its rollback copies each row's state after its last kept token: the verification's
+    logits and the next step's after the rollback equal the general round's (the reference chain keeping the
+    per-token inputs, then `rollback_kda`) for rows keeping 1, some and all of the tokens (fp32), with no host sync
+    in either run and the scratch slots zero after each."""
+    indices = []
+    fn = kda_fused.recurrent_gated
+    monkeypatch.setattr(kda_fused, "recurrent_gated", lambda *a, _fn=fn, **k:
+                        indices.append((a[0].shape[1], None if len(a) < 11 else tuple(a[10].shape))) or _fn(*a, **k))
+    both = verify_both_ways(small_model(family, seed=3), keep=[1, 3, 4], spec_tokens=3)
+    (gen_logits, gen_after, _), (fast_logits, fast_after, runner) = both["general"], both["fast"]
+    assert rel_err(fast_logits, gen_logits) < 1e-5
+    assert rel_err(fast_after, gen_after) < 1e-5
+    kda_layers = runner.model.config.layer_types.count("kda")
+    assert indices.count((4, (4, 4))) == kda_layers  # the verification: [B bucket 4, T 4] pool rows
+    decoder = runner.decoder
+    assert decoder.slots.spare == 8 * 3 and decoder._verified[2][1] is None  # slots=8: rolled back by the copy
+
+    # no host sync in the verification and its rollback; the padding row (3 rows in a bucket of 4) wrote only
+    # its scratch slot, zero again after each run
+    (buf,) = [b for (B, P, T), b in decoder.buffers.items() if T > 1]
+    pool = decoder.slots
+    with torch.inference_mode(), OpNames() as ops:
+        _, _, saved = decoder._verify_run(buf)
+        scratch = [pool.recurrent_all[::pool.stride].clone()]
+        decoder._rollback_run(buf, saved)
+        scratch.append(pool.recurrent_all[::pool.stride].clone())
+    assert saved[1] is None
+    assert not sorted({n for n in ops.names if n in SYNCING_OPS})
+    assert not any(t.any() for t in scratch)
+
+
+def test_the_slot_pool_names_too_few_spare_rows():
+    """A verification of more rows or tokens than the spare rows hold is refused with the numbers; below it, a
+    verification without spare rows runs the reference chain (`StaticDecoder._verify_run`)."""
+    from openk3.serve.static import SlotPool
+    pool = SlotPool(small_model("k3", seed=0).config, 4, "cpu", torch.float32, spare=6)
+    assert pool.fits_tokens(2, 4) and not pool.fits_tokens(4, 3)
+    with pytest.raises(ValueError, match="4 rows of 3 tokens need 8 spare rows, the pool has 6"):
+        pool.view(torch.tensor([1, 2, 3, 4]), tokens=3)
+    with pytest.raises(ValueError, match="spare=-1"):
+        SlotPool(small_model("k3", seed=0).config, 4, "cpu", torch.float32, spare=-1)

@@ -415,6 +415,9 @@ def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool =
     if fast and spec.counters["spec_rounds"]:  # greedy rounds on the fast path: static verifications and draft steps
         assert any(T == k + 1 for (_, _, T) in spec.target.decoder.buffers)
         assert spec.drafter.decoder.counters["static_steps"] > 0
+        # with fla the verifications keep every token's KDA state in spare rows (a rollback is then a copy)
+        from openk3.ops import select_kda_backend
+        assert (spec.target.slots.spare > 0) == select_kda_backend(device).fused
     return [e.decode_path for e in (cold, cached, spec)]
 
 
@@ -454,7 +457,8 @@ def test_the_gate_on_cuda_on_the_fast_path(data, dense, overlap):
     CUDA graphs for a dense-FFN model, eagerly for the MoE one (fp32 routed experts cannot be captured,
     `capture_problem`); each with and without its steps overlapped with the host's work (pinned input copies, the
     result read one step late, each step's tokens fed to the next on the device: the default with CUDA graphs, so
-    the dense case turns it off, the MoE case on). NOTE: the overlapped dense case failed on
+    the dense case turns it off, the MoE case on). The speculative engine's verifications keep every token's KDA
+    state in spare slot-pool rows (fla's kernel) and roll back by a copy. NOTE: the overlapped dense case failed on
     the H200 once (other greedy tokens with 3 conversations, and a device-side assert in some example): a static
     prefill's graph overwrote the output of the step in flight in the shared pool, since fixed (on the CPU
     `test_the_gate_with_graphs_sharing_a_pool` checks it; all four cases passed on the H200 after the fix).

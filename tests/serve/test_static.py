@@ -98,7 +98,7 @@ def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
             live = [live[b] for b in stay]
     assert len(sizes) >= 4  # the batch really grew and shrank across buckets
     for r in (r for r in runners if r.slots is not None):  # running rows hold their slots, the others are free
-        total = len(r.slots.recurrent[0]) - 1 if r.slots.recurrent else 0
+        total = r.slots.size if r.slots.recurrent else 0
         assert len(r.rows) == len(live) and sorted(r.slots.free + r.rows) == list(range(1, total + 1))
         for rec, conv in zip(r.slots.recurrent, r.slots.conv):  # the padding rows' scratch slot: the zero state
             assert rec[0].abs().max() == 0 and conv[0].abs().max() == 0
@@ -499,15 +499,17 @@ def test_slot_states_without_the_recurrent_gather_read_the_pool_and_go_stale_aft
 
 # ------------------------------------------------------------------------------------------ speculative verification
 
-def verify_both_ways(model, keep: list[int], device: str = "cpu", graphs: bool = False) -> dict:
+def verify_both_ways(model, keep: list[int], device: str = "cpu", graphs: bool = False,
+                     spec_tokens: int = 0) -> dict:
     """Three ragged rows prefilled and joined on a general runner and a fast one; both verify the same k + 1 = 4
     tokens a row (the general way: a forward keeping the KDA inputs, then `rollback`; the fast way: `verify`, then
-    `rollback_verified`), keep `keep[b]` of them, and take one greedy decode step. -> the logits of both ways."""
+    `rollback_verified`; its runner built with `spec_tokens`), keep `keep[b]` of them, and take one greedy decode
+    step. -> the logits of both ways."""
     prompts = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15], [1, 2, 3]]
     tokens = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
     T = len(tokens[0])
     out = {}
-    for name, kw in (("general", {}), ("fast", dict(slots=8, graphs=graphs))):
+    for name, kw in (("general", {}), ("fast", dict(slots=8, graphs=graphs, spec_tokens=spec_tokens))):
         runner = ModelRunner(model, num_pages=200, page_size=4, **kw)
         with torch.inference_mode():
             seqs = [prefill_and_join(runner, p, len(p) + 16)[0] for p in prompts]
@@ -592,7 +594,7 @@ def test_the_verification_rollback_and_draft_run_have_no_host_sync(family):
     scratch = []  # after each run (read after the op count: a check of the values would sync)
 
     def keep_scratch():
-        scratch.append([pool.recurrent_all[::pool.size + 1].clone(), pool.conv_all[::pool.size + 1].clone(),
+        scratch.append([pool.recurrent_all[::pool.stride].clone(), pool.conv_all[::pool.stride].clone(),
                         decoder.pool.mla[0].clone()])
 
     with torch.inference_mode(), OpNames() as ops:
@@ -610,15 +612,18 @@ def test_the_verification_rollback_and_draft_run_have_no_host_sync(family):
 
 @cuda
 @pytest.mark.gpu
-def test_captured_verification_and_rollback_equal_the_general_round():
+@pytest.mark.parametrize("spec_tokens", [0, 3], ids=["reference-chain", "every-state-kept"])
+def test_captured_verification_and_rollback_equal_the_general_round(spec_tokens):
     """On CUDA with CUDA graphs (a dense-FFN model, fp32): the captured verification and rollback agree with the
-    general round (fla's kernels: TF32 dot products, so 2e-2 as in the uncached-forward test)."""
+    general round (fla's kernels: TF32 dot products, so 2e-2 as in the uncached-forward test), both the reference
+    chain's (no spare rows) and fla's kernel keeping every token's state in spare rows, rolled back by a copy."""
     both = verify_both_ways(small_model("k3", seed=3, dense=True).cuda(), keep=[1, 3, 4], device="cuda",
-                            graphs=True)
+                            graphs=True, spec_tokens=spec_tokens)
     (gen_logits, gen_after, _), (fast_logits, fast_after, runner) = both["general"], both["fast"]
     assert rel_err(fast_logits, gen_logits) < 2e-2
     assert rel_err(fast_after, gen_after) < 2e-2
     assert runner.decoder.counters["graph_replays"] >= 3  # the verification, the rollback, the decode step
+    assert (runner.decoder._verified[2][1] is None) == (spec_tokens > 0)  # which rollback ran
 
 
 def test_nan_state_fails_only_its_request_in_a_fast_speculative_round():

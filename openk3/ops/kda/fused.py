@@ -100,13 +100,18 @@ def chunk_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, A_log:
 
 def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Tensor, A_log: Tensor,
                     dt_bias: Tensor, lower_bound: float | None, scale: float, initial_state: Tensor,
-                    state_indices: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                    state_indices: Tensor | None = None,
+                    accepted: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """`chunk_gated`'s delta rule token by token from `initial_state` (forward only; fla has no backward for it):
     q, k, v [B, T, H, K] (L2-normed in the kernel), f the raw gate input [B, T, H, K], beta_logits [B, T, H] before
     their sigmoid (taken in the kernel, in fp32) -> (o [B, T, H, K], the final state [B, H, K, V] fp32).
-    With `state_indices` [B] (T = 1 only): `initial_state` is a pool [S, H, K, V] fp32 whose rows at the indices are
-    read and overwritten in place (fla's continuous-batching mode, the engine's slot pool); the final state is then
-    None (it is in the pool)."""
+    With `state_indices`, `initial_state` is a pool [S, H, K, V] fp32 addressed by row (the engine's slot pool) and
+    the final state returned is None (it is in the pool):
+    - [B] (T = 1 only): row b's state is read from the pool's row state_indices[b] and overwritten there in place
+      (fla's continuous-batching mode);
+    - [B, T] with `accepted` [B] int32 all equal to T (a speculative verification): row b's state is read from
+      state_indices[b, T - 1] and its state after token t written to state_indices[b, t] (fla's speculative-decoding
+      mode), so the state after every prefix of the tokens is kept and a rollback is a copy of one row."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     # NOTE: the kernel walks q, k, v, f by pointer over contiguous [B, T, H, K] rows and has no input guard: the
@@ -119,12 +124,18 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
                 out=torch.empty_like(v))
     with on_device(q):
         if state_indices is not None:
-            if q.shape[1] != 1:
-                raise ValueError(f"recurrent_gated: state_indices need one token per row, got T={q.shape[1]}")
-            # one index per sequence: for row n the kernel reads initial_state[state_indices[n]] (rows
-            # initial_state.stride(0) apart) and writes the new state back there
+            B, T = q.shape[:2]
+            if state_indices.shape not in ((B,), (B, T)) or (T > 1 and state_indices.ndim == 1) \
+                    or (state_indices.ndim == 2) != (accepted is not None):
+                raise ValueError(f"recurrent_gated: state_indices {tuple(state_indices.shape)} (accepted "
+                                 f"{'given' if accepted is not None else 'None'}) for q {tuple(q.shape)}: [B] at one "
+                                 f"token a row, or [B, T] with accepted")
+            # for row n the kernel reads initial_state[state_indices[n, accepted[n] - 1]] (or [n]; rows
+            # initial_state.stride(0) apart, the index row contiguous) and writes its state after token t to
+            # initial_state[state_indices[n, t]]
             o, _ = fused_recurrent_kda_fwd(initial_state=initial_state, inplace_final_state=True,
-                                           ssm_state_indices=state_indices, **args)
+                                           ssm_state_indices=state_indices.contiguous(),
+                                           num_accepted_tokens=accepted, **args)
             return o, None
         return fused_recurrent_kda_fwd(initial_state=initial_state.float().contiguous(), inplace_final_state=False,
                                        output_final_state=True, **args)
