@@ -52,7 +52,7 @@ from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_aut
 from openk3.serve.cache import PagePool, cache_bytes_per_token  # noqa: E402
 from openk3.serve.engine import Engine, EngineConfig, early_exit_draft  # noqa: E402
 from openk3.text.tokenizer import Tokenizer, train_bpe  # noqa: E402
-from openk3.train.data import TokenizedCorpus, load_corpus, split_train_val, tokenize_corpus  # noqa: E402
+from openk3.train.data import IGNORE_INDEX, TokenizedCorpus, load_corpus, split_train_val, tokenize_corpus  # noqa: E402
 from openk3.train.optim import cosine_schedule  # noqa: E402
 from openk3.train.trainer import RouterBalancer, RowStreams, TrainArgs, evaluate  # noqa: E402
 
@@ -380,13 +380,15 @@ def spec_data(config: K3Config, args) -> tuple[Tokenizer, TokenizedCorpus, Token
 
 
 def train_briefly(model: K3ForCausalLM, data: RowStreams, val: TokenizedCorpus, tokenizer: Tokenizer,
-                  args) -> dict:
+                  args, teacher: K3ForCausalLM | None = None) -> dict:
     """The shortest correct loop over openk3's training pieces. `openk3 train`'s loop (trainer.train) is a whole
     run: a run directory, fp32 master weights with Muon, evaluation and checkpoints of every optimizer state; this
     trains the weights as they are (bf16 on CUDA: the bf16-weights + AdamW path docs/training.md measured at ~55K
     tokens/s for kimi-linear-1.5b) with AdamW, the trainer's warmup + cosine schedule, gradient clipping and
     Quantile Balancing of the routers (its RouterBalancer and defaults). `data` is advanced. Returns the mean loss
-    of the last 10 steps, the held-out loss (trainer.evaluate) and the seconds of the steps (the first one apart)."""
+    of the last 10 steps, the held-out loss (trainer.evaluate) and the seconds of the steps (the first one apart).
+    `teacher`: the labels are the teacher's greedy next tokens at every position that has a label (distillation
+    with hard labels: what a greedy speculative round accepts is exactly the target's argmax), not the corpus's."""
     device, steps = model.lm_head.weight.device, args.spec_train_steps
     model.train().requires_grad_(True)
     params = list(model.parameters())
@@ -400,7 +402,12 @@ def train_briefly(model: K3ForCausalLM, data: RowStreams, val: TokenizedCorpus, 
         for group in opt.param_groups:
             group["lr"] = args.spec_lr * cosine_schedule(step, steps, TrainArgs.warmup, TrainArgs.min_lr_ratio)
         batch = next(data).to(device)
-        out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
+        labels = batch.labels
+        if teacher is not None:
+            with torch.no_grad():
+                argmax = teacher(batch.input_ids, cu_seqlens=batch.cu_seqlens, validate=False).logits.argmax(-1)
+            labels = torch.where(labels == IGNORE_INDEX, labels, argmax)
+        out = model(batch.input_ids, labels=labels, cu_seqlens=batch.cu_seqlens,
                     loss_chunk=TrainArgs.loss_chunk, record=True)
         out.loss.backward()
         balancer.after_forward(out.router)
@@ -482,7 +489,8 @@ def part_speculative(ckpt: Path, args) -> dict:
     trained = {}
     for name, m in (("target", target), ("draft", draft)):  # a stream each, the same batches (trainer's rows)
         data = RowStreams(train, args.spec_train_batch, args.spec_train_seq, seed=args.seed)
-        trained[name] = train_briefly(m, data, val, tokenizer, args)
+        teacher = target if name == "draft" and args.spec_draft_labels == "target" else None
+        trained[name] = train_briefly(m, data, val, tokenizer, args, teacher)
         t = trained[name]
         print(f"  trained the {name}: {t['steps']} steps of {args.spec_train_batch} x {args.spec_train_seq} tokens "
               f"in {t['train_seconds']:.1f} s (the first {t['first_step_seconds']:.1f} s; "
@@ -495,8 +503,9 @@ def part_speculative(ckpt: Path, args) -> dict:
     timed_engine_run(plain, prompts[:1], 4, args.device)  # warm-up
     base_s, base = timed_engine_run(plain, prompts, args.decode_tokens, args.device)
     d = draft.config
+    labels = "the trained target's greedy tokens" if args.spec_draft_labels == "target" else "the corpus's next tokens"
     out = {"draft": f"trained: {d.num_hidden_layers} layers ({', '.join(d.layer_types)}, dense), hidden "
-                    f"{d.hidden_size} of {c.hidden_size}, on the target's data and tokenizer",
+                    f"{d.hidden_size} of {c.hidden_size}, on the target's data and tokenizer, labels {labels}",
            "draft_params": sum(p.numel() for p in draft.parameters()),
            "target_params": sum(p.numel() for p in target.parameters()),
            "baseline_tokens_per_s": sum(len(r.output) for r in base) / base_s,
@@ -618,6 +627,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # NOTE: the defaults are sized from docs/training.md: bf16 weights + AdamW train kimi-linear-1.5b at ~55K
     # tokens/s on one H200, so the target's 150 x 16 x 1024 = 2.5M tokens (about one epoch of the stdlib at vocab
     # 4096) take ~45 s and the 2-layer draft's the same tokens several times faster: <= ~60 s for both
+    p.add_argument("--spec-draft-labels", choices=("target", "corpus"), default="target",
+                   help="the draft's training labels: the trained target's greedy next tokens on the same batches "
+                        "(distilled) or the corpus's next tokens [target]")
     p.add_argument("--spec-train-steps", type=int, default=None, help="training steps of target and draft each "
                    "(part speculative) [150; quick: 40]")
     p.add_argument("--spec-train-batch", type=int, default=None, help="rows per training step [16; quick: 8]")

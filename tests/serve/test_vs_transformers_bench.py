@@ -40,17 +40,23 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
 
 
 @pytest.mark.slow  # 25-40 s on 2 cores: two trainings of 40 steps
-def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp_path):
+@pytest.mark.parametrize("labels", ["corpus", "target"])
+def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp_path, labels):
     """--quick's speculative part on the CPU: both models train (their loss falls), the draft is a small model of its
-    own, and every greedy output with a draft, trained or early exit, equals the plain engine's in fp32."""
+    own, and every greedy output with a draft, trained or early exit, equals the plain engine's in fp32; the draft
+    trained on the corpus's labels or distilled from the target's greedy tokens (`--spec-draft-labels`)."""
     out = tmp_path / "r.json"
     main(["--config", "tiny", "--device", "cpu", "--quick", "--skip-transformers", "--parts", "speculative",
-          "--draft-k", "2", "3", "--out", str(out)])
+          "--draft-k", "2", "3", "--spec-draft-labels", labels, "--out", str(out)])
     sp = json.loads(out.read_text())["speculative"]
     for model in ("target", "draft"):
         assert sp[f"{model}_steps"] == 40 and sp[f"{model}_train_seconds"] > 0
-        assert sp[f"{model}_train_loss"] < sp[f"{model}_first_loss"] - 0.5  # it learned something
-        assert 0 < sp[f"{model}_held_out_loss"] < sp[f"{model}_first_loss"]
+        assert sp[f"{model}_train_loss"] < sp[f"{model}_first_loss"] - 0.5  # it learned something (its labels)
+        assert sp[f"{model}_held_out_loss"] > 0
+    # the held-out loss is the corpus's: a distilled draft learns the target's tokens, not the text
+    assert sp["target_held_out_loss"] < sp["target_first_loss"]
+    assert (sp["draft_held_out_loss"] < sp["draft_first_loss"]) == (labels == "corpus")
+    assert ("target's greedy tokens" in sp["draft"]) == (labels == "target")
     assert 0 < sp["draft_params"] < sp["target_params"] / 4 and sp["prompts"] == 2
     assert sp["baseline_tokens_per_s"] > 0 and sp["baseline_decode_path"] == "general"
     for rows in (sp, sp["early_exit"]):
@@ -62,8 +68,12 @@ def test_speculative_part_trains_a_draft_and_keeps_the_greedy_output_in_fp32(tmp
             assert row["greedy_output_equal"], (rows["draft"], k)
     # drafts both accepted and rejected: the rollback ran, and the outputs still equal the plain engine's. NOTE: not
     # asked of each draft: after --quick's 40 steps the early exit (3 of the tiny target's 6 layers) agreed with the
-    # target on no token on one machine (0.0 at k = 2 and 3, the trained draft 64% and 58%) and on some on another
-    assert 0 < sp["k=2"]["acceptance_rate"] < 1
+    # target on no token on one machine (0.0 at k = 2 and 3, the trained draft 64% and 58%) and on some on another.
+    # The distilled draft learns the quick target's loop of newlines (100% accepted on this CPU): only that it learned.
+    if labels == "corpus":
+        assert 0 < sp["k=2"]["acceptance_rate"] < 1
+    else:
+        assert sp["k=2"]["acceptance_rate"] > 0.5
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers (the bench extra) is absent")
