@@ -368,16 +368,19 @@ class KimiDeltaAttention(nn.Module):
                 state: KDAState | None = None, keep_inputs: bool = False) -> Tensor:
         """x [B, T, D] -> [B, T, D]. With cu_seqlens (packed documents, over the flattened B*T tokens) the
         recurrence and the conv restart at every document; with `state` they continue from it (and update it).
-        With `keep_inputs`, `state.inputs` gets this forward's per-token inputs (`KDAState`), else None."""
+        With `keep_inputs`, `state.inputs` gets this forward's per-token inputs (`KDAState`), else None; a slot-pool
+        state with `token_rows` (a speculative verification with fla) keeps every token's state in the pool instead
+        and gets {"qkv", "conv"} whatever `keep_inputs` says (`forward_fused`)."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         backend = select_kda_backend(x.device)
         # The fused path also runs from a cache: a decode step and a short cached prefill token by token, a longer
         # one chunked; `keep_inputs` (speculative rollback) needs the per-token inputs only the reference chain
-        # produces. NOTE: a decode step inside torch.compile (the compiled step, serve/static.py) keeps the reference
-        # chain: with fla's wrappers as graph breaks there, dynamo failed on the H200 at the second batch bucket (an
-        # internal error in its shape guards); with fla's decode kernel as a custom op (no graph break) the compiled
-        # step wrote wrong conv tails on the H200 (right on the CPU; docs/engine.md "The compiled step and fla");
+        # produces, unless the state keeps every token's state in its pool (`token_rows`). NOTE: a decode step
+        # inside torch.compile (the compiled step, serve/static.py) keeps the reference chain: with fla's wrappers
+        # as graph breaks there, dynamo failed on the H200 at the second batch bucket (an internal error in its
+        # shape guards); with fla's decode kernel as a custom op (no graph break) the compiled step wrote wrong conv
+        # tails on the H200 (right on the CPU; docs/engine.md "The compiled step and fla");
         # the reference chain traces whole and matches an uncached forward there
         if backend.fused and isinstance(state, SlotKDAState) and state.token_rows is not None:
             return self.forward_fused(x, cu_seqlens, state, recurrent=True)  # a verification keeping every state

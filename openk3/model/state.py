@@ -112,12 +112,13 @@ class SlotKDAState:
     there; whoever pads (the static step) zeroes the scratch slot again after its forward (`SlotPool.clear_scratch`)."""
 
     def __init__(self, recurrent_pool: Tensor, conv_pool: Tensor, rows: Tensor, recurrent: Tensor | None = None,
-                 conv: Tensor | None = None, chunked: bool = False, token_rows: Tensor | None = None):
+                 conv: Tensor | None = None, chunked: bool = False, token_rows: Tensor | None = None,
+                 accepted: Tensor | None = None):
         self.recurrent_pool, self.conv_pool, self.rows = recurrent_pool, conv_pool, rows
         self._gathered = {"recurrent": recurrent, "conv": conv}
         self.inputs: dict[str, Tensor] | None = None
         self.chunked = chunked  # see KDAState.chunked
-        self.token_rows = token_rows
+        self.token_rows, self.accepted = token_rows, accepted  # accepted: [B] int32, all T (`pool_token_rows`)
 
     def pool_rows(self) -> tuple[Tensor, Tensor]:
         """(the recurrent pool [N, H, K, K] fp32, the batch's rows in it [B]) for a kernel that updates the rows in
@@ -127,10 +128,9 @@ class SlotKDAState:
 
     def pool_token_rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """`pool_rows` for a verification that keeps every token's state (`token_rows`): (the pool, token_rows
-        [B, T], the tokens a row holds [B] int32, all T: the kernel reads row b's state from token_rows[b, T - 1])."""
+        [B, T], `accepted` [B] int32, all T: the kernel reads row b's state from token_rows[b, T - 1])."""
         self._gathered["recurrent"] = None
-        B, T = self.token_rows.shape
-        return self.recurrent_pool, self.token_rows, torch.full((B,), T, dtype=torch.int32, device=self.rows.device)
+        return self.recurrent_pool, self.token_rows, self.accepted
 
     def _read(self, name: str, pool: Tensor) -> Tensor:
         rows = self._gathered[name]

@@ -67,7 +67,10 @@ class EngineConfig:
     shorter than `checkpoint_interval` sent twice gets `cached_tokens == 0`; one that extends an earlier prompt
     or turn resumes at its end (see `PrefixCache`, docs/engine.md). `prefill_chunk`: prompt tokens
     per step (bounds the decode stall a long prompt causes). `max_batch`: requests prefilling or decoding at once.
-    `num_draft_tokens`: tokens a draft model proposes per speculative round.
+    `num_draft_tokens`: tokens a draft model proposes per speculative round. On the fast path with fla's kernels the
+    target's slot pool keeps that many spare KDA states per batch row (max_batch rounded up to its CUDA-graph
+    bucket), where a verification keeps the state after each token: 13.0 MB a state for kimi-linear-1.5b, 434 MB
+    for kimi-k3 (docs/engine.md "Speculative decoding").
     `fast_decode`: decode through the static step (static.py, docs/engine.md "Fast decode path": KDA slot pool,
     fixed-width page tables, batched device sampler); None = on CUDA only. `cuda_graphs`: capture that step as
     CUDA graphs per batch bucket; None = whenever it can be (`capture_problem`; `stats()["decode_path"]` says
@@ -203,7 +206,8 @@ class Engine:
                              "the compiled decode step; drop one of the two")
         fuse = config.fuse_projections if config.fuse_projections is not None else device.type == "cuda"
         # a greedy round on the fast path verifies k + 1 tokens keeping each one's KDA state (static.py `_verify_run`)
-        spec_tokens = config.num_draft_tokens if draft is not None and self.fast else 0
+        static_rounds = config.num_draft_tokens + 1 <= RECURRENT_SEGMENT_TOKENS  # (`_speculate`)
+        spec_tokens = config.num_draft_tokens if draft is not None and self.fast and static_rounds else 0
         self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
                                   compile=config.compile_decode, fuse=fuse, spec_tokens=spec_tokens)
         self.model, self.pool = self.target.model, self.target.pool

@@ -57,15 +57,16 @@ class ModelRunner:
         every forward so that in-place weight updates (RL, `Engine.load_weights`) are seen; static_prefill: run
         prefill chunks of at most STATIC_PREFILL_TOKENS tokens as static runs on the fast path (`forward`); None =
         where they are captured (`graphs`): eagerly they only cost more forwards; spec_tokens: the draft tokens k
-        of the speculative rounds this runner verifies (fast path): with fla's kernels the slot pool then keeps
-        spare rows for the state after each verified token but the last, batch_bucket(slots) * k of them
+        of the speculative rounds this runner verifies (fast path): with fla's kernels (not compiled) the slot pool
+        then keeps spare rows for the state after each verified token but the last, batch_bucket(slots) * k of them
         (`SlotPool(spare=)`), and a verification's rollback is a copy (`StaticDecoder._verify_run`)."""
         self.model = model
         self.fused: FusedProjections | None = fuse_projections(model) if fuse else None
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
-        spare = batch_bucket(slots) * spec_tokens if slots is not None and select_kda_backend(self.device).fused else 0
+        kept = slots is not None and select_kda_backend(self.device).fused and not compile  # `StaticDecoder.in_place`
+        spare = batch_bucket(slots) * spec_tokens if kept else 0
         self.slots = SlotPool(model.config, slots, self.device, self.dtype, spare) if slots is not None else None
         self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
             if slots is not None else None

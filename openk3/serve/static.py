@@ -2,10 +2,11 @@
 with static shapes, so that on CUDA it can be captured once per batch bucket as a CUDA graph and replayed.
 
     SlotPool       the decode batch's KDA states, preallocated: for S slots, every KDA layer's recurrent states in
-                   one tensor [L * (S + 1), H, K, K] fp32 and conv tails in one [L * (S + 1), W-1, 3*H*K] (layer
-                   l's slot s at row l * (S + 1) + s); a request joining the batch takes a slot (its
+                   one tensor [L * R, H, K, K] fp32 and conv tails in one [L * R, W-1, 3*H*K] (R = S + 1 + spare
+                   rows; layer l's slot s at row l * R + s); a request joining the batch takes a slot (its
                    prefilled state is copied in once), one leaving gives it back. Slot 0 is a scratch slot for the
-                   rows that pad a batch to its bucket (zeroed again after every step, see `SlotKDAState`).
+                   rows that pad a batch to its bucket (zeroed again after every step, see `SlotKDAState`). The
+                   spare rows hold a speculative verification's state after each of its tokens (below).
     StaticMLA      one MLA layer's cache for the step: writes the new latent of every row into its page and reads
                    the pool through a fixed-width page table [B, P] (padded with the zero page) plus each row's
                    length (the mask), with one batched gather and no per-row copy.
@@ -27,8 +28,10 @@ A speculative round of greedy rows (engine.py `_speculate_static`) runs on the s
 row (`StepBuffers`, T = k + 1), in three static runs and one host sync: the draft's `draft` (its k + 1 greedy steps
 in one run, each step's token fed to the next on the device, the states after steps 1..k kept for
 `SlotPool.restore`), the target's `verify` (one forward over the pending token and the k drafts, read from the
-draft's output on the device, the KDA layers keeping their per-token inputs; its read-back is the round's sync) and
-its `rollback` (every row's KDA states back to its kept tokens, cache.py `rollback_kda`). With `graphs` each is
+draft's output on the device; with fla's kernels and spare rows the KDA layers write the state after every token to
+its own pool row, else they keep their per-token inputs; its read-back is the round's sync) and its `rollback`
+(every row's KDA states back to its kept tokens: a copy of the state after its last kept token, or cache.py
+`rollback_kda` over the kept inputs). With `graphs` each is
 captured per (B, P, T) bucket as the step is; the rollback the first time a verification of its bucket is rolled
 back, as a graph that reads the verification graph's kept tensors.
 
@@ -98,8 +101,10 @@ class SlotPool:
     every write of a layer's rows (an `index_copy_`, fla's in-place decode kernel) goes into one of those two tensors
     by row number, not into a view of it (the exception: `clear_scratch`'s strided fill): under torch.compile each is
     then one graph input that the step mutates, with no aliased inputs (docs/engine.md "Fast decode path").
-    `spare`: recurrent rows after the slots (layer l's at l * R + S + 1 ...) where a speculative verification keeps
-    the state after each of its tokens but the last (`view(tokens=)`), B * (T - 1) of them for B rows of T tokens."""
+    `spare`: rows after the slots (layer l's at l * R + S + 1 ...) where a speculative verification keeps the
+    recurrent state after each of its tokens but the last (`view(tokens=)`), B * (T - 1) of them for B rows of T
+    tokens. The conv pool has them too (one row numbering for both kinds), unused: a conv tail is W-1 raw inputs,
+    kimi-linear-1.5b's 37 KB a layer against the recurrent state's 1 MB."""
 
     def __init__(self, config: K3Config, slots: int, device, dtype: torch.dtype, spare: int = 0):
         if not isinstance(slots, int) or slots < 1:
@@ -153,6 +158,7 @@ class SlotPool:
         rows = self.rows(slots)
         L, B = rows.shape
         conv = rec = token_rows = [None] * L
+        accepted = None
         if gather:
             conv = self.conv_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.conv_all.shape[1:]).unbind(0)
             if gather_recurrent:
@@ -164,7 +170,8 @@ class SlotPool:
                                  f"{self.spare}")
             spare = self.size + 1 + torch.arange(B * (tokens - 1), device=slots.device).view(1, B, tokens - 1)
             token_rows = torch.cat([self.layer_rows[:, :, None] + spare, rows[:, :, None]], dim=2).unbind(0)
-        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c, chunked, t)
+            accepted = torch.full((B,), tokens, dtype=torch.int32, device=slots.device)
+        return [SlotKDAState(self.recurrent_all, self.conv_all, i, r, c, chunked, t, accepted)
                 for i, r, c, t in zip(rows.unbind(0), rec, conv, token_rows)]
 
     def fits_tokens(self, B: int, T: int) -> bool:
@@ -595,7 +602,8 @@ class StaticDecoder:
         tokens (the engine rolls the lengths back; the MLA latents past a row's length are never read). Captured
         per bucket the first time. NOTE: its warmup really runs the rollback (twice) on this round's rows, and that is
         harmless: it reads only the verification's kept tensors (committed states, per-token inputs, or the spare
-        rows of every token's state) and `keep`, never the rows it writes, so every run writes the same states."""
+        rows of every token's state) and `keep`, and the only row it writes that it also reads is the slot of a row
+        that kept every token, which it copies onto itself: every run writes the same states."""
         if min(keep) < 1:
             raise ValueError(f"rollback keep={keep}: every row keeps its first verified token (the pending one)")
         key, buf, saved = self._verified

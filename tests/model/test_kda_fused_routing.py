@@ -211,21 +211,59 @@ def test_a_verification_keeping_every_state_rolls_back_by_a_copy(family, fake_fl
     pool = decoder.slots
     with torch.inference_mode(), OpNames() as ops:
         _, _, saved = decoder._verify_run(buf)
-        scratch = [pool.recurrent_all[::pool.stride].clone()]
+        scratch = [pool.recurrent_all[::pool.stride].clone(), pool.conv_all[::pool.stride].clone()]
         decoder._rollback_run(buf, saved)
-        scratch.append(pool.recurrent_all[::pool.stride].clone())
+        scratch += [pool.recurrent_all[::pool.stride].clone(), pool.conv_all[::pool.stride].clone()]
     assert saved[1] is None
     assert not sorted({n for n in ops.names if n in SYNCING_OPS})
     assert not any(t.any() for t in scratch)
 
 
-def test_the_slot_pool_names_too_few_spare_rows():
-    """A verification of more rows or tokens than the spare rows hold is refused with the numbers; below it, a
-    verification without spare rows runs the reference chain (`StaticDecoder._verify_run`)."""
+def test_the_slot_pool_names_too_few_spare_rows(fake_fla):
+    """A verification of more rows or tokens than the spare rows hold is refused with the numbers; a runner without
+    them (no spec_tokens) verifies through the reference chain and `rollback_kda`, fla or not."""
     from openk3.serve.static import SlotPool
-    pool = SlotPool(small_model("k3", seed=0).config, 4, "cpu", torch.float32, spare=6)
+    config = small_model("k3", seed=0).config
+    pool = SlotPool(config, 4, "cpu", torch.float32, spare=6)
     assert pool.fits_tokens(2, 4) and not pool.fits_tokens(4, 3)
     with pytest.raises(ValueError, match="4 rows of 3 tokens need 8 spare rows, the pool has 6"):
         pool.view(torch.tensor([1, 2, 3, 4]), tokens=3)
     with pytest.raises(ValueError, match="spare=-1"):
-        SlotPool(small_model("k3", seed=0).config, 4, "cpu", torch.float32, spare=-1)
+        SlotPool(config, 4, "cpu", torch.float32, spare=-1)
+    both = verify_both_ways(small_model("k3", seed=3), keep=[1, 3, 4])  # spec_tokens=0: no spare rows
+    runner = both["fast"][2]
+    assert runner.slots.spare == 0 and runner.decoder._verified[2][1] is not None  # committed states kept
+    assert rel_err(both["fast"][1], both["general"][1]) < 1e-5
+
+
+def test_a_speculative_engine_keeping_every_state_emits_the_plain_tokens(fake_fla):
+    """The engine on the fast path with fla's kernels (stand-ins) and a draft (the target perturbed, so that some
+    drafts are accepted and some rejected): its target keeps spare rows and every greedy round verifies into them
+    and rolls back by a copy; six prompts of different lengths through max_batch 6 (bucket 8: two padding rows),
+    requests joining as others finish, emit the plain engine's greedy tokens, and the scratch slots end zero."""
+    import copy
+
+    from openk3.serve.engine import Engine, EngineConfig, SamplingParams
+    target = small_model("k3", seed=1, dense=True)
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3 * p.std())
+    rng = random.Random(0)
+    V = target.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 3, 7, 11, 4)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (12, 6, 16, 9, 14, 8)]
+    cfg = dict(page_size=4, num_pages=300, max_batch=6, prefix_cache=False, fast_decode=True)
+    plain = [r.output for r in Engine(target, EngineConfig(**cfg)).generate(prompts, params)]
+    engine = Engine(target, EngineConfig(num_draft_tokens=3, **cfg), draft=draft)
+    rounds = []
+    run = engine.target.decoder._rollback_run
+    engine.target.decoder._rollback_run = lambda buf, saved: rounds.append(saved[1] is None) or run(buf, saved)
+    assert [r.output for r in engine.generate(prompts, params)] == plain
+    assert engine.target.slots.spare == 8 * 3 and engine.drafter.slots.spare == 0
+    assert 0 < engine.counters["accepted_tokens"] < engine.counters["draft_tokens"]  # accepted and rejected
+    assert rounds and all(rounds)  # every rollback was the copy
+    pool = engine.target.slots
+    assert not pool.recurrent_all[::pool.stride].any() and not pool.conv_all[::pool.stride].any()

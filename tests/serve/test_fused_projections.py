@@ -103,7 +103,7 @@ def test_cuda_graphs_replay_the_refreshed_stacks():
         return [r.output for r in engine.generate(prompts(), GREEDY)], engine
 
     fused, engine = outputs()
-    assert engine.target.fused is not None and engine.decode_path == "fast, CUDA graphs"
+    assert engine.target.fused is not None and engine.decode_path == "fast, CUDA graphs, overlapped"
     assert fused == outputs(fuse_projections=False, cuda_graphs=False)[0]
     captures = engine.target.decoder.counters["graph_captures"]
     with torch.no_grad():

@@ -300,7 +300,7 @@ def test_capture_problem_names_the_fp32_moe():
         ModelRunner(model, num_pages=20, page_size=4, slots=2, graphs=True)
     assert Engine(model, EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"].startswith("fast, eager")
     assert Engine(small_model("k3", dense=True).cuda(),
-                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs"
+                  EngineConfig(page_size=4, num_pages=20)).stats()["decode_path"] == "fast, CUDA graphs, overlapped"
 
 
 # ops that read a device value back to the host (or whose output size depends on values, so CUDA syncs for it)
