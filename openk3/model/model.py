@@ -433,6 +433,7 @@ class KimiDeltaAttention(nn.Module):
         outs = fused_outputs(self, x)
         qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
         tail = state.conv if state is not None else None
+        per_token = isinstance(state, SlotKDAState) and state.token_rows is not None  # a verification's states kept
         qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
         q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         f, b = self.decay_input(x, outs), project(self, "b_proj", x, outs)
@@ -440,7 +441,7 @@ class KimiDeltaAttention(nn.Module):
         if not recurrent:
             o, final = outside_graph(kda_fused.chunk_gated, q, k, v, f, torch.sigmoid(b.float()), *gate, cu_seqlens,
                                      initial_state=state.recurrent if state is not None else None)
-        elif isinstance(state, SlotKDAState) and state.token_rows is not None:  # every token's state kept in the pool
+        elif per_token:  # every token's state kept in the pool
             o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, *state.pool_token_rows())
         elif T == 1 and isinstance(state, SlotKDAState):  # the engine's slot pool: its rows updated where they are
             o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, *state.pool_rows())
@@ -452,7 +453,6 @@ class KimiDeltaAttention(nn.Module):
                 state.recurrent = final
             # a verification keeping every token's state keeps what its conv tail's rollback reads: the raw inputs
             # and the tail before them (serve/cache.py `kept_conv_tail`)
-            per_token = isinstance(state, SlotKDAState) and state.token_rows is not None
             state.inputs = {"qkv": qkv_in, "conv": tail} if per_token else None
         o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))

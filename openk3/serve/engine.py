@@ -205,9 +205,10 @@ class Engine:
             raise ValueError("EngineConfig.compile_decode=True with a draft model: speculative decoding does not run "
                              "the compiled decode step; drop one of the two")
         fuse = config.fuse_projections if config.fuse_projections is not None else device.type == "cuda"
-        # a greedy round on the fast path verifies k + 1 tokens keeping each one's KDA state (static.py `_verify_run`)
-        static_rounds = config.num_draft_tokens + 1 <= RECURRENT_SEGMENT_TOKENS  # (`_speculate`)
-        spec_tokens = config.num_draft_tokens if draft is not None and self.fast and static_rounds else 0
+        # greedy rounds on the fast path run as static runs while the verification's k + 1 tokens run the KDA
+        # recurrence token by token (`_speculate`); each verifies keeping every token's KDA state (`_verify_run`)
+        self.static_rounds = self.fast and config.num_draft_tokens + 1 <= RECURRENT_SEGMENT_TOKENS
+        spec_tokens = config.num_draft_tokens if draft is not None and self.static_rounds else 0
         self.target = ModelRunner(model, config.num_pages, config.page_size, slots=slots, graphs=graphs,
                                   compile=config.compile_decode, fuse=fuse, spec_tokens=spec_tokens)
         self.model, self.pool = self.target.model, self.target.pool
@@ -679,8 +680,7 @@ class Engine:
         rows runs static steps (`_speculate_static`) while k + 1 tokens run the KDA recurrence token by token
         (model.py RECURRENT_SEGMENT_TOKENS): a longer verification would put the chunked kernel in the captured
         step, which no test has captured."""
-        static = self.cfg.num_draft_tokens + 1 <= RECURRENT_SEGMENT_TOKENS
-        if self.fast and static and all(r.params.greedy for r in self.running):
+        if self.static_rounds and all(r.params.greedy for r in self.running):
             self._speculate_static(outputs)
             return
         reqs, k = self.running, self.cfg.num_draft_tokens

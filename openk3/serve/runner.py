@@ -29,11 +29,10 @@ from torch import Tensor
 
 from openk3.model.fused import FusedProjections, applied, fuse_projections
 from openk3.model.model import K3ForCausalLM
-from openk3.ops import select_kda_backend
 from openk3.serve.cache import (KDAState, PagedSeq, PagePool, cat_kda_states, device_tensor, new_kda_states,
                                 paged_cache, rollback_kda, select_kda_rows)
 from openk3.serve.sampler import SamplingParams
-from openk3.serve.static import Launched, SlotPool, StaticDecoder, batch_bucket
+from openk3.serve.static import Launched, SlotPool, StaticDecoder, batch_bucket, kda_in_place
 
 # The longest prefill chunk (tokens a row) the fast path runs as static runs (`ModelRunner(static_prefill=)`): the
 # engine's default `prefill_chunk`, so a short prompt or the new tokens of a turn after a prefix hit run captured
@@ -65,8 +64,7 @@ class ModelRunner:
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.pool = PagePool(model.config, num_pages, page_size, self.device, self.dtype)
-        kept = slots is not None and select_kda_backend(self.device).fused and not compile  # `StaticDecoder.in_place`
-        spare = batch_bucket(slots) * spec_tokens if kept else 0
+        spare = batch_bucket(slots) * spec_tokens if slots is not None and kda_in_place(self.device, compile) else 0
         self.slots = SlotPool(model.config, slots, self.device, self.dtype, spare) if slots is not None else None
         self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
             if slots is not None else None

@@ -60,6 +60,13 @@ from openk3.serve.sampler import SamplingParams, sample_batch
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def kda_in_place(device, compile: bool | str = False) -> bool:
+    """Whether the static runs on `device` update the slot pool's recurrent rows in place with fla's kernels: with
+    fla (CUDA), not compiled (`StaticDecoder.in_place`; a verification then keeps every token's state in the pool's
+    spare rows, which the runner sizes by this)."""
+    return select_kda_backend(device).fused and not compile
+
+
 def capture_problem(model: K3ForCausalLM) -> str | None:
     """Why the decode step of `model` cannot be captured as a CUDA graph, or None if it can. NOTE: the routed experts'
     grouped matmul is capturable only as the fused kernel (bf16 on sm90+); for other dtypes and GPUs
@@ -321,7 +328,7 @@ class StaticDecoder:
         self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
         # fla's decode kernel updates the pool's recurrent rows in place (model.py `forward_fused` with
         # `recurrent`; eager only)
-        self.in_place = select_kda_backend(self.device).fused and not compile
+        self.in_place = kda_in_place(self.device, compile)
         self.run = self._run
         if compile:
             # NOTE: dynamic=None: the first shape compiles static, a second one recompiles with dynamic sizes, so

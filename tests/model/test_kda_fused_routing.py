@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 import openk3.model.model as model_module
-import openk3.serve.runner as runner_module
 import openk3.serve.static as static_module
 from openk3.model.model import causal_conv_silu, kda_decay
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
@@ -117,14 +116,14 @@ def fake_fla(monkeypatch):
             setattr(module, key, recorded(fn))
         monkeypatch.setitem(sys.modules, name, module)
     backend = KDABackend("fla", "stand-ins (tests)", chunk_kda_torch, naive_recurrent_kda, fused=True)
-    for module in (model_module, static_module, runner_module):
+    for module in (model_module, static_module):
         monkeypatch.setattr(module, "select_kda_backend", lambda device: backend)
     return calls
 
 
 def reference_backend(monkeypatch):
     backend = KDABackend("torch", "reference (tests)", chunk_kda_torch, naive_recurrent_kda)
-    for module in (model_module, static_module, runner_module):
+    for module in (model_module, static_module):
         monkeypatch.setattr(module, "select_kda_backend", lambda device: backend)
 
 
