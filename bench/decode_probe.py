@@ -16,6 +16,9 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                such turn under the profiler (device busy against wall)
   spec:k       a speculative round of k drafts at batch 1 (early-exit draft of 4 layers): ms a round, the same
                split by phase (the draft's steps, the verification, its rollback, the draft's restore), 10 rounds profiled
+  prefill:L[:B[:C]]  B (default 1) prompts of L tokens prefilled with `prefill_chunk` C (default the bench's
+               8,192) until each has its first token: wall ms (after an untimed run at the same shapes), then one
+               more such run under the profiler
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -133,6 +136,26 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     return {"step_ms": step_ms, "top": rows[:30]}
 
 
+def part_prefill(model, args, rng, L: int, B: int, chunk: int, out_dir: Path) -> dict:
+    args = argparse.Namespace(**{**vars(args), "prefill_chunk": chunk})
+    engine = engine_for(model, args, B, prefix_cache=False, num_pages=B * (-(-(L + 8) // args.page_size) + 1) + 2)
+
+    def run() -> float:
+        prompts = random_prompts(B, L, model.config.vocab_size, rng)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, greedy(1))
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+    run()  # untimed: every kernel of these shapes compiled and tuned
+    out = {"ms": run(), "tokens": B * L, "chunk": chunk}
+    out["top"] = profile_step(run, out_dir / f"prefill_{L}_b{B}_c{chunk}.txt")[:30]
+    print(f"  prefill {B} x {L} tokens, chunk {chunk}: {out['ms']:.1f} ms "
+          f"({B * L / out['ms']:.0f} tokens/ms); device busy {out['top'][0]['self_device_ms']:.1f} ms profiled",
+          flush=True)
+    return out
+
+
 def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
     """A speculative round at batch 1 (early-exit draft: the model's first 4 layers; random weights, so the
     acceptance says nothing, the cost a round does): wall ms a round, the same split by phase (each phase timed
@@ -185,7 +208,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, hit, decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, hit, prefill:L[:B[:C]], decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -209,11 +232,14 @@ def main() -> None:
                 results[name] = part_hit(model, args, rng, a.out)
             elif name.startswith("spec:"):
                 results[name] = part_spec(model, args, rng, int(name.split(":")[1]), a.out)
+            elif name.startswith("prefill:"):
+                L, B, C = ([int(v) for v in name.split(":")[1:]] + [1, 8192])[:3]
+                results[name] = part_prefill(model, args, rng, L, B, C, a.out)
             elif name.startswith("decode:"):
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
             else:
-                raise ValueError(f"unknown part {name!r}: kda, hit, decode:B, decode:B:c or spec:k")
+                raise ValueError(f"unknown part {name!r}: kda, hit, prefill:L[:B[:C]], decode:B, decode:B:c or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()

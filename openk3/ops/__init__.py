@@ -6,9 +6,11 @@ reason that `openk3 info --backends` prints; call sites never try/except.
 - MoE experts: `torch._grouped_mm` when it runs on the device and dtype, else the per-expert loop
   (env OPENK3_MOE_BACKEND=grouped|loop overrides; asking for `grouped` where it cannot run is an error).
   On top of either, decode-sized forwards (T*K <= moe_gemv.GEMV_MAX_SLOTS slots, no grad) run the Triton GEMV
-  kernels of moe_gemv.py where they run (CUDA with triton installed); env OPENK3_MOE_GEMV=0 turns them off (the
-  old path, for comparison), =1 makes it an error when they cannot run. At the call (`moe_experts`) two tests
-  remain: that size test, and, inside torch.compile, whether a non-bf16 grouped matmul must run outside the graph.
+  kernels of moe_gemv.py where they run (CUDA with triton installed), and the grouped backend's other forwards
+  without grad end in moe_gemv's `combine_slots` kernel; env OPENK3_MOE_GEMV=0 turns both off (the old path, for
+  comparison), =1 makes it an error when they cannot run. At the call (`moe_experts`) three tests remain: that
+  size test, whether a gradient is needed, and, inside torch.compile, whether a non-bf16 grouped matmul must run
+  outside the graph.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
-from openk3.ops.moe_gemv import gemv_applies, gemv_supported, moe_experts_gemv
+from openk3.ops.moe_gemv import needs_grad, gemv_applies, gemv_supported, moe_experts_gemv, moe_experts_grouped_combined
 
 __all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "moe_experts", "select_kda_backend",
            "select_moe_backend"]
@@ -29,12 +31,14 @@ __all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "moe_experts", "se
 
 @dataclass(frozen=True)
 class MoEBackend:
-    """`fn` runs every call but the decode-sized ones that `small` (None = none) takes: see `moe_experts`."""
+    """`fn` runs every call but the decode-sized ones that `small` (None = none) takes and, where `inference` is
+    not None, those that need no gradient: see `moe_experts`."""
 
     name: str
     reason: str
     fn: object
     small: object = None
+    inference: object = None
 
 
 MOE_ENV, GEMV_ENV = "OPENK3_MOE_BACKEND", "OPENK3_MOE_GEMV"
@@ -78,6 +82,10 @@ def _select(device_type: str, dtype: torch.dtype, requested: str | None, gemv_re
         return MoEBackend(name, f"{reason}; {GEMV_ENV}=0: no GEMV path", fn)
     if gemv_requested == "1" and not gemv_ok:
         raise RuntimeError(f"{GEMV_ENV}=1 but the GEMV kernels cannot run here: {gemv_why}")
+    if gemv_ok and fn is moe_experts_grouped:
+        return MoEBackend(name, f"{reason}; {gemv_why}; other calls without grad sum the expert outputs back to "
+                                "their tokens in one Triton kernel", fn, small=moe_experts_gemv,
+                          inference=moe_experts_grouped_combined)
     if gemv_ok:
         return MoEBackend(name, f"{reason}; {gemv_why}", fn, small=moe_experts_gemv)
     return MoEBackend(name, f"{reason}; no GEMV path: {gemv_why}", fn)
@@ -86,7 +94,8 @@ def _select(device_type: str, dtype: torch.dtype, requested: str | None, gemv_re
 def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`); a
-    decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them."""
+    decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them, another forward
+    without grad through `backend.inference` where there is one."""
     backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
     args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
     if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
@@ -95,6 +104,8 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
         # NOTE: torch.compile traces torch._grouped_mm in bf16 only (ops/moe.py); a compiled fp32 model (the CPU's,
         # train/compile.py) runs the same grouped kernel outside the graph (a graph break), not a different backend
         return _grouped_outside_graph(*args, weight_fn=weight_fn)
+    if backend.inference is not None and not needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
+        return backend.inference(*args, weight_fn=weight_fn)
     return backend.fn(*args, weight_fn=weight_fn)
 
 

@@ -153,33 +153,22 @@ def expert_order(expert_S: Tensor, E: int) -> tuple[Tensor, Tensor]:
     return order_S, (expert_S[None, :] <= experts_E[:, None]).sum(1, dtype=torch.int32)
 
 
-def moe_experts_grouped(
+def grouped_expert_outputs(
     x_TD: Tensor,
     topk_idx_TK: Tensor,
-    topk_w_TK: Tensor,
     w1_EFD: Tensor,
     w2_EDF: Tensor,
     w3_EFD: Tensor,
     act: Activation,
     weight_fn: WeightFn | None = None,
-) -> Tensor:
-    """Same as moe_experts_loop, with one ``torch._grouped_mm`` per weight.
-
-    The T*K token slots are put in expert order (`expert_order`: a stable sort, or counting for few slots)
-    so each expert's tokens are one contiguous row range; ``offs`` holds the end row of every expert's
-    range (equal neighbours = an expert with no tokens). Outputs are scattered back to their tokens with
-    an fp32 index_add.
-    Raises ValueError if grouped_mm_supported says no, or if D or F breaks the 16-byte rule.
-    NOTE: expert ids are not range-checked here (that would sync with the GPU), and an id outside
-    0..E-1 raises nothing: a negative id joins expert 0's rows, an id >= E no expert's (its
-    slot's output is garbage). The router's top-k guarantees the range; the loop checks it.
-    """
-    _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
+) -> tuple[Tensor, Tensor]:
+    """The experts' outputs of moe_experts_grouped before the routing weights: out_SD [S, D] in x's dtype, one row
+    per token slot in expert order, and order_S [S], the slot (t*K + k) of each row. Checks as moe_experts_grouped."""
     ok, reason = grouped_mm_supported(x_TD.device, x_TD.dtype)
     if not ok:
         raise ValueError(f"moe_experts_grouped cannot run here: {reason}; use moe_experts_loop")
-    T, D = x_TD.shape
-    E, F, _ = w1_EFD.shape
+    D = x_TD.shape[1]
+    F = w1_EFD.shape[1]
     align = 16 // x_TD.element_size()
     if D % align != 0 or F % align != 0:
         raise ValueError(
@@ -191,19 +180,41 @@ def moe_experts_grouped(
 
     K = topk_idx_TK.shape[1]
     expert_S = topk_idx_TK.reshape(-1)  # S = T*K token slots, slot s belongs to token s // K
-    order_S, offs_E = expert_order(expert_S, E)
-    token_S = order_S // K
-
-    x_SD = x_TD[token_S]
+    order_S, offs_E = expert_order(expert_S, w1_EFD.shape[0])
+    x_SD = x_TD[order_S // K]
     # NOTE: the transposed weight views ([E, D, F] with strides (F*D, 1, D)) are what
     # _grouped_mm expects for "x @ w.T"; no copy is made.
     gate_SF = torch._grouped_mm(x_SD, w1_EFD.transpose(-2, -1), offs=offs_E)
     up_SF = torch._grouped_mm(x_SD, w3_EFD.transpose(-2, -1), offs=offs_E)
     h_SF = act(gate_SF, up_SF)
-    out_SD = torch._grouped_mm(h_SF, w2_EDF.transpose(-2, -1), offs=offs_E)
+    return torch._grouped_mm(h_SF, w2_EDF.transpose(-2, -1), offs=offs_E), order_S
 
+
+def moe_experts_grouped(
+    x_TD: Tensor,
+    topk_idx_TK: Tensor,
+    topk_w_TK: Tensor,
+    w1_EFD: Tensor,
+    w2_EDF: Tensor,
+    w3_EFD: Tensor,
+    act: Activation,
+    weight_fn: WeightFn | None = None,
+) -> Tensor:
+    """Same as moe_experts_loop, with one ``torch._grouped_mm`` per weight (`grouped_expert_outputs`).
+
+    The T*K token slots are put in expert order (`expert_order`: a stable sort, or counting for few slots)
+    so each expert's tokens are one contiguous row range; ``offs`` holds the end row of every expert's
+    range (equal neighbours = an expert with no tokens). Outputs are scattered back to their tokens with
+    an fp32 index_add (at inference, openk3/ops/moe_gemv.py's `combine_slots` does that part in one kernel).
+    Raises ValueError if grouped_mm_supported says no, or if D or F breaks the 16-byte rule.
+    NOTE: expert ids are not range-checked here (that would sync with the GPU), and an id outside
+    0..E-1 raises nothing: a negative id joins expert 0's rows, an id >= E no expert's (its
+    slot's output is garbage). The router's top-k guarantees the range; the loop checks it.
+    """
+    _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
+    out_SD, order_S = grouped_expert_outputs(x_TD, topk_idx_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn)
     # fp32 weight x out_SD promotes the product to fp32 (no cast of out_SD first); summed in place into the zeros
     weight_S = topk_w_TK.reshape(-1)[order_S].float()
-    y_TD = torch.zeros((T, D), dtype=torch.float32, device=x_TD.device)
-    y_TD.index_add_(0, token_S, weight_S.unsqueeze(-1) * out_SD)
+    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    y_TD.index_add_(0, order_S // topk_idx_TK.shape[1], weight_S.unsqueeze(-1) * out_SD)
     return y_TD.to(x_TD.dtype)

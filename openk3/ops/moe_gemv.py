@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from openk3.ops.moe import Activation, WeightFn, _check_inputs
+from openk3.ops.moe import Activation, WeightFn, _check_inputs, grouped_expert_outputs
 from openk3.ops.situ import situ_glu, swiglu
 
 try:
@@ -67,6 +67,8 @@ BLOCK_D, BLOCK_F2 = 4, 512  # kernel 2: D rows of w2 x F
 WARPS = (4, 4)  # warps a program of kernel 1, kernel 2 (Triton's default)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+BLOCK_COMBINE = 1024  # combine_slots: elements of D a program sums (one token's row, or a tile of it)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> tuple[bool
     return True, f"decode-sized calls (T*K <= {GEMV_MAX_SLOTS} slots, no grad) run {where}"
 
 
-def _needs_grad(*tensors: Tensor) -> bool:
+def needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -120,7 +122,7 @@ def gemv_applies(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: T
     """The per-call test (same arguments as the expert functions): a decode-sized forward the kernels can run.
     Only shapes and flags are read, never values, so it does not sync and is fixed for a captured graph."""
     return (topk_idx_TK.numel() <= GEMV_MAX_SLOTS and weight_fn is None and glu_spec(act) is not None
-            and not _needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD))
+            and not needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD))
 
 
 if triton is not None:
@@ -200,6 +202,70 @@ if triton is not None:
             y += tl.load(topk_w_ptr + s).to(tl.float32) * out.to(dtype).to(tl.float32)
         tl.store(y_ptr + t * D + d, y.to(dtype), mask=d_mask)
 
+    @triton.jit
+    def _combine_kernel(out_ptr, row_ptr, w_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr, stride_out,
+                        BLOCK_D: tl.constexpr):
+        """y[t, d] = sum_k w[t*K + k] * out[row[t*K + k], d] in fp32 (k in order), cast to y's dtype."""
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = d < D
+        y = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for k in tl.static_range(K):  # unrolled: the K rows' loads can be in flight together
+            s = t * K + k
+            r = tl.load(row_ptr + s).to(tl.int64)
+            y += tl.load(w_ptr + s).to(tl.float32) * tl.load(out_ptr + r * stride_out + d, mask=d_mask,
+                                                             other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+
+
+def combine_slots(out_SD: Tensor, order_S: Tensor, topk_w_TK: Tensor, block_d: int | None = None) -> Tensor:
+    """The grouped path's last step in one kernel: y[t] = sum_k topk_w[t, k] * out_SD[row of slot t*K + k] in fp32,
+    cast to out_SD's dtype, where order_S [S] is the slot of each row of out_SD (`grouped_expert_outputs`). The same
+    sum as moe_experts_grouped's fp32 index_add, whose atomics add in any order; here each token's K terms add in k
+    order (deterministic). One read of out_SD and one write of y: at a 64K-token prefill of kimi-linear-1.5b on the
+    H200 the zeros + product + index_add + cast it replaces took ~4.6 ms a MoE layer (docs/engine.md).
+    Forward only. block_d: elements of D a program sums (a power of two; None = BLOCK_COMBINE)."""
+    T, K = topk_w_TK.shape
+    D = out_SD.shape[1]
+    if out_SD.shape[0] != T * K or order_S.shape != (T * K,):
+        raise ValueError(f"combine_slots: out_SD {tuple(out_SD.shape)} and order_S {tuple(order_S.shape)} must both "
+                         f"have T*K = {T * K} rows (topk_w {tuple(topk_w_TK.shape)})")
+    y_TD = torch.empty((T, D), dtype=out_SD.dtype, device=out_SD.device)
+    if T * K == 0:
+        return y_TD.zero_()
+    if out_SD.stride(1) != 1:
+        out_SD = out_SD.contiguous()
+    # the row of each slot: the inverse of order_S
+    row_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(T * K, device=order_S.device))
+    block = block_d or min(BLOCK_COMBINE, triton.next_power_of_2(D))
+    _combine_kernel[(T, triton.cdiv(D, block))](out_SD, row_S, topk_w_TK.contiguous(), y_TD, D, K, out_SD.stride(0),
+                                                BLOCK_D=block)
+    return y_TD
+
+
+def moe_experts_grouped_combined(
+    x_TD: Tensor,
+    topk_idx_TK: Tensor,
+    topk_w_TK: Tensor,
+    w1_EFD: Tensor,
+    w2_EDF: Tensor,
+    w3_EFD: Tensor,
+    act: Activation,
+    weight_fn: WeightFn | None = None,
+) -> Tensor:
+    """moe_experts_grouped at inference: the same grouped matmuls (`grouped_expert_outputs`), then `combine_slots`
+    instead of the product, the fp32 index_add and the cast. Forward only (`moe_experts` sends a call here when no
+    input needs a gradient); raises ValueError where the kernel cannot run (gemv_supported) or an input needs one."""
+    _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
+    ok, reason = gemv_supported(x_TD.device, x_TD.dtype)
+    if not ok:
+        raise ValueError(f"moe_experts_grouped_combined cannot run here: {reason}; use moe_experts_grouped")
+    if needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
+        raise ValueError("moe_experts_grouped_combined is forward only, but an input requires grad; "
+                         "use moe_experts_grouped")
+    out_SD, order_S = grouped_expert_outputs(x_TD, topk_idx_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn)
+    return combine_slots(out_SD, order_S, topk_w_TK)
+
 
 def moe_experts_gemv(
     x_TD: Tensor,
@@ -231,7 +297,7 @@ def moe_experts_gemv(
         raise ValueError(f"moe_experts_gemv does not know the activation {act!r}: give it a `glu` GLUSpec attribute")
     if weight_fn is not None:
         raise ValueError(f"moe_experts_gemv takes no weight_fn (got {weight_fn!r}); use moe_experts_grouped")
-    if _needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
+    if needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
         raise ValueError("moe_experts_gemv is forward only, but an input requires grad; use moe_experts_grouped")
     T, D = x_TD.shape
     E, F, _ = w1_EFD.shape

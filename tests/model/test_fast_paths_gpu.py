@@ -85,3 +85,29 @@ def test_dumped_fla_configs_parse_with_fla(tmp_path):
         assert parsed is not None and parsed.default_config is not None, name
         for h, entry in json.loads(path.read_text())["autotune_entries"].items():
             assert AutotuneKey.key_hash(tuple(entry["autotune_key"])) == h, name
+
+
+@pytest.mark.parametrize("T, S, scale", [(300, 1000, 1.0), (257, 4353, 1.0), (64, 80, 30.0)])
+def test_cached_chunk_through_cudnn_matches_math_and_varlen(T, S, scale):
+    """A cached chunk's attention (query t sees keys 0..S-T+t) as cuDNN's two merged parts, bf16, at MLA's head
+    widths (qk 192, v 128), against the fp32 math kernel with the lower-right mask and the varlen flash kernel;
+    scale 30 makes the softmax nearly one-hot (log-sum-exps far apart across the two parts)."""
+    from openk3.model.model import (cudnn_attention_runs, lower_right_causal_mask, prefix_causal_attention,
+                                    varlen_causal_attention)
+    torch.manual_seed(T)
+    B, H = 2, 4
+    q = scale * torch.randn(B, H, T, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, H, 192, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # the model's layouts
+    v = torch.randn(B, S, H, 256, device="cuda", dtype=torch.bfloat16)[..., 64:192].transpose(1, 2)
+    assert cudnn_attention_runs(q)
+    o = prefix_causal_attention(q, k, v, 192 ** -0.5)
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=lower_right_causal_mask(T, S, "cuda"), scale=192 ** -0.5)
+    cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
+    cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+    flash = varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_q, T, 192 ** -0.5,
+                                    keys=(cu_k, S)).transpose(1, 2)
+    assert o.shape == (B, H, T, 128) and o.dtype == torch.bfloat16
+    assert rel_norm_err(o, ref) < 1e-2
+    assert rel_norm_err(o, ref) <= 1.5 * rel_norm_err(flash, ref) + 2e-3

@@ -456,22 +456,31 @@ def test_cached_expanded_varlen_glue_is_bottom_right_causal(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
-def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, monkeypatch):
-    """Issue #12 on the GPU: a 200-token chunk after 300 cached tokens (2 rows) in the expanded form, through the
-    varlen flash kernel (bf16) or SDPA's memory-efficient kernel with torch's lower-right causal bias (fp32; no
-    dense mask), against the absorbed form over the explicit mask (its scores and softmax in fp32)."""
+@pytest.mark.parametrize("dtype,bound,cudnn", [(torch.bfloat16, 2e-2, True), (torch.bfloat16, 2e-2, False),
+                                               (torch.float32, 1e-4, True)])
+def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, cudnn, monkeypatch):
+    """Issue #12 on the GPU: a 200-token chunk after 300 cached tokens (2 rows) in the expanded form, through cuDNN's
+    kernel in two merged parts (bf16 on sm90+), the varlen flash kernel (bf16 with cuDNN's path turned off) or
+    SDPA's memory-efficient kernel with torch's lower-right causal bias (fp32; no dense mask), against the absorbed
+    form over the explicit mask (its scores and softmax in fp32)."""
     import openk3.model.model as model_module
 
     calls = []
-    real = model_module.varlen_causal_attention
-    monkeypatch.setattr(model_module, "varlen_causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("varlen_causal_attention", "prefix_causal_attention"):
+        real = getattr(model_module, name)
+        monkeypatch.setattr(model_module, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    if not cudnn:
+        monkeypatch.setattr(model_module, "cudnn_attention_runs", lambda q: False)
     mla, prefix = random_cached_mla("cuda", dtype, cached=300, batch=2, seed=8)
     x = torch.randn(2, 200, 256, device="cuda", dtype=dtype)
     with torch.no_grad():
         expanded = cached_mla(mla, prefix, x, absorb=None)
         absorbed = cached_mla(mla, prefix, x, absorb=True)
-    assert len(calls) == (1 if dtype == torch.bfloat16 and model_module.varlen_attn is not None else 0)
+    half = dtype == torch.bfloat16
+    if half and cudnn and torch.cuda.get_device_capability()[0] >= 9:
+        assert calls == ["prefix_causal_attention"]
+    else:
+        assert calls == (["varlen_causal_attention"] if half and model_module.varlen_attn is not None else [])
     assert rel_err(expanded, absorbed) < bound
 
 
@@ -499,3 +508,25 @@ def test_routed_experts_compute_in_the_autocast_dtype(monkeypatch):
         out = experts(z, idx, w, act)
     assert seen == [torch.float32, torch.bfloat16] and out.dtype == torch.bfloat16
     assert rel_err(out.float(), ref) < 2e-2
+
+
+def test_two_attentions_merged_by_log_sum_exp_equal_one():
+    """`merge_attention` of the cached keys' part (no mask) and the new keys' part (causal) equals one attention with
+    the lower-right causal mask (fp32, CPU); the parts' log-sum-exps far apart too (scores scaled by 40)."""
+    from openk3.model.model import merge_attention
+
+    def part(q, k, v, mask):
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v, scores.logsumexp(-1)
+    for scale in (1.0, 40.0):
+        gen = torch.Generator().manual_seed(int(scale))
+        B, H, T, S = 2, 3, 7, 19
+        q = scale * torch.randn(B, H, T, 8, generator=gen)
+        k, v = torch.randn(B, H, S, 8, generator=gen), torch.randn(B, H, S, 5, generator=gen)
+        ref, _ = part(q, k, v, lower_right_causal_mask(T, S, "cpu"))
+        P = S - T
+        (o1, l1), (o2, l2) = part(q, k[:, :, :P], v[:, :, :P], None), part(
+            q, k[:, :, P:], v[:, :, P:], torch.ones(T, T, dtype=torch.bool).tril())
+        assert rel_err(merge_attention(o1, l1, o2, l2), ref) < 1e-6

@@ -16,7 +16,7 @@ from openk3.config import get_config, tiny
 from openk3.model import K3ForCausalLM
 from openk3.model.model import glu_activation
 from openk3.ops import moe_gemv
-from openk3.ops.moe import moe_experts_grouped, moe_experts_loop
+from openk3.ops.moe import grouped_expert_outputs, moe_experts_grouped, moe_experts_loop
 from openk3.ops.moe_gemv import GEMV_MAX_SLOTS, GLUSpec, gemv_applies, glu_spec
 from openk3.ops.situ import situ_glu, swiglu
 from tests.helpers import rel_norm_err, run_interpreted_child
@@ -169,6 +169,67 @@ def test_interpreted_model_forward_runs_the_kernels_and_matches(monkeypatch, fre
     assert rel_norm_err(logits, logits_grouped) < 1e-5
 
 
+@interpreted_only
+@pytest.mark.parametrize("T, K, E", [(1, 1, 3), (9, 2, 5), (23, 4, 6), (5, 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_interpreted_grouped_combined_matches_grouped_and_loop(T, K, E, dtype):
+    """The grouped matmuls then `combine_slots` (in D tiles of 32 with a masked tail: D = 48) against the grouped path's
+    index_add and the loop: the same fp32 sum of each token's K terms, in k order."""
+    inputs = random_moe(T, 48, 40, E, K, dtype, seed=T + K + E)
+    with torch.no_grad():
+        out_SD, order_S = grouped_expert_outputs(inputs[0], inputs[1], *inputs[3:], swiglu)
+        y = moe_gemv.combine_slots(out_SD, order_S, inputs[2], block_d=32)
+        y_default = moe_gemv.moe_experts_grouped_combined(*inputs, situ_k3)
+        y_grouped = moe_experts_grouped(*inputs, swiglu)
+        y_loop = moe_experts_loop(*inputs, swiglu)
+    assert y.dtype == dtype and y.shape == (T, 48)
+    # the fp32 sums' order; fp16: one rounding of the sum; bf16: the interpreter's cast truncates (module docstring)
+    exact = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    assert rel_norm_err(y, y_grouped) < exact
+    assert rel_norm_err(y, y_loop) < TOLERANCE[dtype]
+    assert rel_norm_err(y_default, moe_experts_loop(*inputs, situ_k3)) < TOLERANCE[dtype]
+
+
+@interpreted_only
+def test_interpreted_combine_slots_reads_every_row_once():
+    """Each token gets exactly its own K rows: rows that are one-hot in D, a permuted order, weights 1 .. K."""
+    T, K = 6, 3
+    order = torch.randperm(T * K, generator=torch.Generator().manual_seed(1))
+    out = torch.zeros(T * K, T * K)
+    out[torch.arange(T * K), order] = 1.0  # row i is one-hot at the slot it belongs to
+    w = torch.arange(1, K + 1, dtype=torch.float32).repeat(T, 1)
+    y = moe_gemv.combine_slots(out, order, w, block_d=8)
+    expected = torch.zeros(T, T * K)
+    for t in range(T):
+        for k in range(K):
+            expected[t, t * K + k] = k + 1
+    assert torch.equal(y, expected)
+    with pytest.raises(ValueError, match="T\\*K = 18 rows"):
+        moe_gemv.combine_slots(out[:-1], order[:-1], w)
+
+
+@interpreted_only
+def test_interpreted_moe_experts_combines_forwards_without_grad(monkeypatch, fresh_backend_choice):
+    """Past GEMV_MAX_SLOTS a forward without grad runs the grouped matmuls and `combine_slots`; with grad, or with
+    OPENK3_MOE_GEMV=0, the grouped path's index_add, which the backward needs."""
+    monkeypatch.delenv("OPENK3_MOE_GEMV", raising=False)
+    backend = ops.select_moe_backend("cpu", torch.float32)
+    assert backend.inference is moe_gemv.moe_experts_grouped_combined and "one Triton kernel" in backend.reason
+    calls = []
+    real = moe_gemv.combine_slots
+    monkeypatch.setattr(moe_gemv, "combine_slots", lambda *a: calls.append(a[0].shape) or real(*a))
+    inputs = random_moe(GEMV_MAX_SLOTS // 2 + 3, 16, 8, 5, 2, torch.float32, seed=4)
+    with torch.no_grad():
+        y = ops.moe_experts(*inputs, swiglu)
+    assert calls == [(GEMV_MAX_SLOTS + 6, 16)]
+    x = inputs[0].clone().requires_grad_()
+    y_grad = ops.moe_experts(x, *inputs[1:], swiglu)
+    y_grad.sum().backward()
+    assert len(calls) == 1 and x.grad is not None and rel_norm_err(y, y_grad.detach()) < 1e-6
+    monkeypatch.setenv("OPENK3_MOE_GEMV", "0")
+    assert ops.select_moe_backend("cpu", torch.float32).inference is None
+
+
 def compile_for_sm90(kernel, types: dict, constexprs: dict):
     """Compile a kernel of moe_gemv for an H100/H200 (sm_90) without a GPU; returns its resource usage line."""
     from triton.backends.compiler import GPUTarget
@@ -317,3 +378,21 @@ def test_gemv_is_what_moe_experts_runs_at_decode_and_replays_in_a_cuda_graph(fre
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ops.moe_experts(*fresh, situ_k3))
+
+
+@cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [65, 2048])
+def test_grouped_combined_matches_grouped_on_gpu(T):
+    """The grouped matmuls and `combine_slots` in bf16 at kimi-linear-1.5b's shapes (decode batch 65, a prefill chunk)
+    against the grouped path's index_add: only the fp32 sums' order differs before the one rounding to bf16; what
+    `moe_experts` runs without grad."""
+    s = KIMI_LINEAR_EXPERTS
+    inputs = random_moe(T, s["D"], s["F"], s["E"], s["K"], torch.bfloat16, seed=T, device="cuda")
+    with torch.no_grad():
+        y = moe_gemv.moe_experts_grouped_combined(*inputs, situ_k3)
+        y_grouped = moe_experts_grouped(*inputs, situ_k3)
+        y_dispatched = ops.moe_experts(*inputs, situ_k3)
+    assert rel_norm_err(y, y_grouped) < 2e-3
+    assert torch.equal(y, y_dispatched)
