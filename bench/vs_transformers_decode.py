@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -74,6 +75,15 @@ def write_json(path: Path, data: dict) -> None:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back before an engine's runs at a new length: each engine then
+    starts from the same state instead of from the blocks the other one's longest run left reserved (where those
+    blocks do not fit, the allocator frees and re-allocates inside the timed run, each a device sync)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def build_checkpoint(args, workdir: Path) -> tuple[K3ForCausalLM, Path, dict]:
@@ -241,6 +251,7 @@ def part_prefill(model, hf, args, rng) -> dict:
     V = model.config.vocab_size
     for L in args.prefill_lengths:
         prompt = random_prompts(1, L, V, rng)[0]
+        release_cached_memory(args.device)
         engine = engine_for(model, args, 1, prefix_cache=False, num_pages=-(-(L + 8) // args.page_size) + 2)
         try:
             # warm-up at the timed length: fla's kernels compile (and autotune) per shape, and a shorter warm-up
@@ -253,6 +264,7 @@ def part_prefill(model, hf, args, rng) -> dict:
             torch.cuda.empty_cache()
         del engine
         if hf is not None:
+            release_cached_memory(args.device)
             try:
                 timed_hf_generate(hf, [prompt], 1, args.device)
                 hs, _ = timed_hf_generate(hf, [prompt], 1, args.device)

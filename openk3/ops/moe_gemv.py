@@ -19,6 +19,11 @@ here only when `gemv_applies` (no gradient needed, no weight_fn, a known activat
 everything else runs the backend chosen once (grouped or loop). No host syncs and no data-dependent shapes, so
 it runs inside the CUDA-graph capture of the decode step (openk3/serve/static.py).
 
+A third kernel serves the grouped path at inference (`moe_experts_grouped_combined`: every forward without grad
+that the GEMV kernels do not take, prefill chunks above all): after the grouped matmuls (`grouped_expert_outputs`),
+`combine_slots` weights each token's K expert outputs and sums them in fp32 in one pass, where moe_experts_grouped
+(which the backward needs) materialises an fp32 product of every slot and scatters it with an fp32 index_add.
+
 The kernels compute the activation themselves, so they must know which one `act` is: `GLUSpec`, attached to the
 callable as `act.glu` (openk3/model/model.py `glu_activation` does), or the plain `swiglu` / `situ_glu`
 references of situ.py with their default constants.
