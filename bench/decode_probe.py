@@ -19,6 +19,9 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
   prefill:L[:B[:C]]  B (default 1) prompts of L tokens prefilled with `prefill_chunk` C (default the bench's
                8,192) until each has its first token: wall ms (after an untimed run at the same shapes), then one
                more such run under the profiler
+  attn         a cached chunk's attention at kimi-linear-1.5b's heads (16 x qk 192, v 128, bf16), T new tokens after
+               S - T cached, at shapes not seen before in the process: ms of the first call (cuDNN builds an
+               execution plan per new shape) and of a repeat, for cuDNN's two merged parts and the varlen flash kernel
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -136,6 +139,34 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     return {"step_ms": step_ms, "top": rows[:30]}
 
 
+def part_attn() -> dict:
+    from openk3.model.model import prefix_causal_attention, varlen_causal_attention
+
+    def once(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+    out = {}
+    for T, S in [(2048, 10240), (2048, 10304), (257, 32768), (300, 5000), (8192, 65536)]:
+        q = torch.randn(1, 16, T, 192, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 16, S, 192, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, 16, S, 128, device="cuda", dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+        paths = {"cudnn": lambda: prefix_causal_attention(q, k, v, 192 ** -0.5),
+                 "varlen": lambda: varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           cu_q, T, 192 ** -0.5, keys=(cu_k, S))}
+        row = {}
+        for name, fn in paths.items():
+            row[name] = {"first_ms": once(fn), "repeat_ms": min(once(fn) for _ in range(3))}
+        out[f"{T}x{S}"] = row
+        print(f"  attention T={T} S={S}: " + ", ".join(f"{n} first {r['first_ms']:.2f} ms, then {r['repeat_ms']:.2f}"
+                                                        for n, r in row.items()), flush=True)
+    return out
+
+
 def part_prefill(model, args, rng, L: int, B: int, chunk: int, out_dir: Path) -> dict:
     args = argparse.Namespace(**{**vars(args), "prefill_chunk": chunk})
     engine = engine_for(model, args, B, prefix_cache=False, num_pages=B * (-(-(L + 8) // args.page_size) + 1) + 2)
@@ -208,7 +239,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, hit, prefill:L[:B[:C]], decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, attn, hit, prefill:L[:B[:C]], decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -226,20 +257,24 @@ def main() -> None:
     for name in a.parts:
         t0 = time.perf_counter()
         try:
-            if name == "kda":
+            if name == "attn":
+                results[name] = part_attn()
+            elif name == "kda":
                 results[name] = part_kda(model)
             elif name == "hit":
                 results[name] = part_hit(model, args, rng, a.out)
             elif name.startswith("spec:"):
                 results[name] = part_spec(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("prefill:"):
-                L, B, C = ([int(v) for v in name.split(":")[1:]] + [1, 8192])[:3]
+                v = [int(x) for x in name.split(":")[1:]]
+                L, B, C = (v + [1, 8192][len(v) - 1:])[:3]
                 results[name] = part_prefill(model, args, rng, L, B, C, a.out)
             elif name.startswith("decode:"):
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
             else:
-                raise ValueError(f"unknown part {name!r}: kda, hit, prefill:L[:B[:C]], decode:B, decode:B:c or spec:k")
+                raise ValueError(f"unknown part {name!r}: kda, attn, hit, prefill:L[:B[:C]], decode:B, decode:B:c "
+                                 f"or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()

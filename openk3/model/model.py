@@ -287,21 +287,24 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     return o[..., :vd].view(B, T, H, vd)
 
 
-def cudnn_attention_runs(q: Tensor) -> bool:
-    """Whether cuDNN's fused attention (`_scaled_dot_product_cudnn_attention`, with its log-sum-exp) can take q: CUDA
-    sm90+ (its Hopper kernel), bf16 or fp16."""
+def cudnn_attention_runs(q: Tensor, v: Tensor) -> bool:
+    """Whether `prefix_causal_attention` takes q [.., qd] and v [.., vd]: cuDNN's fused attention with its
+    log-sum-exp (`_scaled_dot_product_cudnn_attention`) on a Hopper GPU (sm90, where it was measured and tested), bf16
+    or fp16, head widths multiples of 8 up to 256, cuDNN's SDPA not turned off
+    (`torch.backends.cuda.enable_cudnn_sdp(False)`), and nothing needing a gradient: cuDNN's log-sum-exp carries
+    none, so a merge's backward would be wrong."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.backends.cudnn.is_available()
-            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+            and torch.backends.cuda.cudnn_sdp_enabled() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and all(d % 8 == 0 and d <= 256 for d in (q.shape[-1], v.shape[-1]))
+            and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad))
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     """Attention over two disjoint key sets from each one's output [B, H, T, vd] and log-sum-exp [B, H, T]: each
     output weighted by its share of the softmax's normaliser, in fp32, cast to o1's dtype."""
-    m = torch.maximum(lse1, lse2)
-    a1, a2 = (lse1 - m).exp(), (lse2 - m).exp()
-    o = (o1.float() * a1[..., None] + o2.float() * a2[..., None]) / (a1 + a2)[..., None]
-    return o.to(o1.dtype)
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]  # e^lse1 / (e^lse1 + e^lse2), without overflow
+    return torch.lerp(o2.float(), o1.float(), w1).to(o1.dtype)  # o2 + w1 (o1 - o2)
 
 
 def prefix_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -583,7 +586,7 @@ class GatedMLA(nn.Module):
             # NOTE: under autocast the cached k_pe keeps the cache's dtype while q and k_nope come out of autocast's
             # matmuls; neither kernel call below goes through autocast, so the keys and values take q's dtype here.
             k, v = k.to(q.dtype), v.to(q.dtype)
-            if cudnn_attention_runs(q):
+            if cudnn_attention_runs(q, v):
                 return prefix_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                self.scale).transpose(1, 2)
             if varlen_attention_runs(q):

@@ -99,7 +99,10 @@ def test_cached_chunk_through_cudnn_matches_math_and_varlen(T, S, scale):
     q = scale * torch.randn(B, H, T, 192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, H, 192, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # the model's layouts
     v = torch.randn(B, S, H, 256, device="cuda", dtype=torch.bfloat16)[..., 64:192].transpose(1, 2)
-    assert cudnn_attention_runs(q)
+    if not cudnn_attention_runs(q, v):
+        pytest.skip("cuDNN's fused attention is used on Hopper (sm90) only")
+    assert not cudnn_attention_runs(q.requires_grad_(), v)  # its log-sum-exp has no gradient
+    q = q.detach()
     o = prefix_causal_attention(q, k, v, 192 ** -0.5)
     with sdpa_kernel([SDPBackend.MATH]):
         ref = torch.nn.functional.scaled_dot_product_attention(

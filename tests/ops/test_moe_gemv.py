@@ -18,6 +18,7 @@ from openk3.model.model import glu_activation
 from openk3.ops import moe_gemv
 from openk3.ops.moe import grouped_expert_outputs, moe_experts_grouped, moe_experts_loop
 from openk3.ops.moe_gemv import GEMV_MAX_SLOTS, GLUSpec, gemv_applies, glu_spec
+from openk3.ops.mxfp import fake_quant_mxfp4
 from openk3.ops.situ import situ_glu, swiglu
 from tests.helpers import rel_norm_err, run_interpreted_child
 
@@ -226,6 +227,13 @@ def test_interpreted_moe_experts_combines_forwards_without_grad(monkeypatch, fre
     y_grad = ops.moe_experts(x, *inputs[1:], swiglu)
     y_grad.sum().backward()
     assert len(calls) == 1 and x.grad is not None and rel_norm_err(y, y_grad.detach()) < 1e-6
+    qat = random_moe(GEMV_MAX_SLOTS // 2 + 3, 64, 32, 5, 2, torch.float32, seed=5)  # MX blocks of 32 along D and F
+    with torch.no_grad():  # QAT's fake quantisation reaches the combined path too, and is applied there
+        y_qat = ops.moe_experts(*qat, swiglu, weight_fn=fake_quant_mxfp4)
+        y_plain = ops.moe_experts(*qat, swiglu)
+    assert len(calls) == 3
+    assert rel_norm_err(y_qat, moe_experts_loop(*qat, swiglu, weight_fn=fake_quant_mxfp4)) < 1e-5
+    assert rel_norm_err(y_qat, y_plain) > 1e-3
     monkeypatch.setenv("OPENK3_MOE_GEMV", "0")
     assert ops.select_moe_backend("cpu", torch.float32).inference is None
 
