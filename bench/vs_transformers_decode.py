@@ -48,6 +48,7 @@ from bench.engine_bench import greedy, hardware, random_prompts  # noqa: E402
 from openk3.config import K3Config, get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.model.checkpoint import is_k3_layout, load_pretrained, save_pretrained  # noqa: E402
+from openk3.model.model import CUDNN_PREFIX_ENV  # noqa: E402
 from openk3.ops import select_kda_backend  # noqa: E402
 from openk3.ops.kda.tuned import FLA_MODULES, autotune_candidates, limit_fla_autotuning  # noqa: E402
 from openk3.serve.cache import PagePool, cache_bytes_per_token  # noqa: E402
@@ -659,6 +660,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="part profile: profile the step as the engine runs it (CUDA graphs on) [graphs off]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the fast path's decode step")
+    p.add_argument("--cudnn-prefix-attention", action="store_true",
+                   help="a cached prefill chunk's MLA attention through cuDNN (OPENK3_CUDNN_PREFIX_ATTENTION=1: faster "
+                        "once a shape's plan is built, a plan build per new shape; docs/engine.md)")
     p.add_argument("--overlap", choices=sorted(OVERLAP), default="auto",
                    help="EngineConfig.overlap of the engines without a draft: each decode step launched before the "
                         "one before it is read; auto = the engine's default (on with CUDA graphs) [auto]")
@@ -700,6 +704,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.cudnn_prefix_attention:
+        os.environ[CUDNN_PREFIX_ENV] = "1"
     rng = random.Random(args.seed)
     results = {"hardware": hardware(args.device), "config": args.config, "dtype": args.dtype,
                "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -287,13 +288,22 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     return o[..., :vd].view(B, T, H, vd)
 
 
+# Opt-in (=1): a cached chunk's attention through cuDNN (`prefix_causal_attention`). NOTE: cuDNN builds an execution
+# plan for every new shape, and a cached chunk's shape (T new tokens, S keys) is new for nearly every prompt length and
+# prefix hit: on the H200 a first call at a new shape took 126-1,605 ms, a repeat 0.3-8 ms against varlen flash's
+# 0.4-20 ms (docs/engine.md, eighth session). It pays where shapes repeat (long prompts in full chunks: S = n x chunk),
+# not for a server's varied prompts; hence off by default. TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch's ragged cuDNN
+# path, meant to avoid the rebuilds) was not tried here.
+CUDNN_PREFIX_ENV = "OPENK3_CUDNN_PREFIX_ATTENTION"
+
+
 def cudnn_attention_runs(q: Tensor, v: Tensor) -> bool:
-    """Whether `prefix_causal_attention` takes q [.., qd] and v [.., vd]: cuDNN's fused attention with its
-    log-sum-exp (`_scaled_dot_product_cudnn_attention`) on a Hopper GPU (sm90, where it was measured and tested), bf16
-    or fp16, head widths multiples of 8 up to 256, cuDNN's SDPA not turned off
-    (`torch.backends.cuda.enable_cudnn_sdp(False)`), and nothing needing a gradient: cuDNN's log-sum-exp carries
-    none, so a merge's backward would be wrong."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.backends.cudnn.is_available()
+    """Whether `prefix_causal_attention` takes q [.., qd] and v [.., vd]: asked for (env OPENK3_CUDNN_PREFIX_ATTENTION=1,
+    `CUDNN_PREFIX_ENV`), cuDNN's fused attention with its log-sum-exp (`_scaled_dot_product_cudnn_attention`) on a
+    Hopper GPU (sm90, where it was measured and tested), bf16 or fp16, head widths multiples of 8 up to 256, cuDNN's
+    SDPA not turned off (`torch.backends.cuda.enable_cudnn_sdp(False)`), and nothing needing a gradient: cuDNN's
+    log-sum-exp carries none, so a merge's backward would be wrong."""
+    return (os.environ.get(CUDNN_PREFIX_ENV) == "1" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.backends.cudnn.is_available()
             and torch.backends.cuda.cudnn_sdp_enabled() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
             and all(d % 8 == 0 and d <= 256 for d in (q.shape[-1], v.shape[-1]))
             and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad))
@@ -578,8 +588,8 @@ class GatedMLA(nn.Module):
         if varlen is not None:
             return varlen_causal_attention(q, k, v, *varlen, self.scale)
         if causal and mask is None and S != T:
-            # A cached chunk: causal aligned to the last key, without a dense [T, S] mask. On CUDA sm90+ in bf16/fp16
-            # cuDNN's kernel in two parts (`prefix_causal_attention`); else on CUDA in bf16/fp16 the
+            # A cached chunk: causal aligned to the last key, without a dense [T, S] mask. Opted in, on CUDA sm90 in
+            # bf16/fp16 cuDNN's kernel in two parts (`prefix_causal_attention`); else on CUDA in bf16/fp16 the
             # varlen flash kernel (one "document" per row, its causal mask is bottom-right aligned); elsewhere
             # SDPA with torch's lower-right causal bias, which runs the memory-efficient kernel on CUDA (its
             # custom_mask_type) and a materialised mask where no kernel takes it (the CPU).

@@ -88,7 +88,7 @@ def test_dumped_fla_configs_parse_with_fla(tmp_path):
 
 
 @pytest.mark.parametrize("T, S, scale", [(300, 1000, 1.0), (257, 4353, 1.0), (64, 80, 30.0)])
-def test_cached_chunk_through_cudnn_matches_math_and_varlen(T, S, scale):
+def test_cached_chunk_through_cudnn_matches_math_and_varlen(T, S, scale, monkeypatch):
     """A cached chunk's attention (query t sees keys 0..S-T+t) as cuDNN's two merged parts, bf16, at MLA's head
     widths (qk 192, v 128), against the fp32 math kernel with the lower-right mask and the varlen flash kernel;
     scale 30 makes the softmax nearly one-hot (log-sum-exps far apart across the two parts)."""
@@ -99,6 +99,8 @@ def test_cached_chunk_through_cudnn_matches_math_and_varlen(T, S, scale):
     q = scale * torch.randn(B, H, T, 192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, H, 192, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # the model's layouts
     v = torch.randn(B, S, H, 256, device="cuda", dtype=torch.bfloat16)[..., 64:192].transpose(1, 2)
+    assert not cudnn_attention_runs(q, v)  # opt-in
+    monkeypatch.setenv("OPENK3_CUDNN_PREFIX_ATTENTION", "1")
     if not cudnn_attention_runs(q, v):
         pytest.skip("cuDNN's fused attention is used on Hopper (sm90) only")
     assert not cudnn_attention_runs(q.requires_grad_(), v)  # its log-sum-exp has no gradient

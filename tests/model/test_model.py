@@ -460,7 +460,7 @@ def test_cached_expanded_varlen_glue_is_bottom_right_causal(monkeypatch):
                                                (torch.float32, 1e-4, True)])
 def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, cudnn, monkeypatch):
     """Issue #12 on the GPU: a 200-token chunk after 300 cached tokens (2 rows) in the expanded form, through cuDNN's
-    kernel in two merged parts (bf16 on sm90+), the varlen flash kernel (bf16 with cuDNN's path turned off) or
+    kernel in two merged parts (bf16 on sm90, opted in), the varlen flash kernel (bf16, the default) or
     SDPA's memory-efficient kernel with torch's lower-right causal bias (fp32; no dense mask), against the absorbed
     form over the explicit mask (its scores and softmax in fp32)."""
     import openk3.model.model as model_module
@@ -469,15 +469,15 @@ def test_cached_expanded_mla_on_cuda_equals_absorbed(dtype, bound, cudnn, monkey
     for name in ("varlen_causal_attention", "prefix_causal_attention"):
         real = getattr(model_module, name)
         monkeypatch.setattr(model_module, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
-    if not cudnn:
-        monkeypatch.setattr(model_module, "cudnn_attention_runs", lambda q: False)
+    if cudnn:  # opt-in (model_module.CUDNN_PREFIX_ENV); the default is the varlen flash kernel
+        monkeypatch.setenv(model_module.CUDNN_PREFIX_ENV, "1")
     mla, prefix = random_cached_mla("cuda", dtype, cached=300, batch=2, seed=8)
     x = torch.randn(2, 200, 256, device="cuda", dtype=dtype)
     with torch.no_grad():
         expanded = cached_mla(mla, prefix, x, absorb=None)
         absorbed = cached_mla(mla, prefix, x, absorb=True)
     half = dtype == torch.bfloat16
-    if half and cudnn and torch.cuda.get_device_capability()[0] >= 9:
+    if half and cudnn and torch.cuda.get_device_capability()[0] == 9:
         assert calls == ["prefix_causal_attention"]
     else:
         assert calls == (["varlen_causal_attention"] if half and model_module.varlen_attn is not None else [])
