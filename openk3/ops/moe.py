@@ -161,9 +161,10 @@ def grouped_expert_outputs(
     w3_EFD: Tensor,
     act: Activation,
     weight_fn: WeightFn | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The experts' outputs of moe_experts_grouped before the routing weights: out_SD [S, D] in x's dtype, one row
-    per token slot in expert order, and order_S [S], the slot (t*K + k) of each row. Checks as moe_experts_grouped."""
+    per token slot in expert order, order_S [S], the slot (t*K + k) of each row, and token_S [S], its token (t).
+    Checks as moe_experts_grouped."""
     ok, reason = grouped_mm_supported(x_TD.device, x_TD.dtype)
     if not ok:
         raise ValueError(f"moe_experts_grouped cannot run here: {reason}; use moe_experts_loop")
@@ -181,13 +182,14 @@ def grouped_expert_outputs(
     K = topk_idx_TK.shape[1]
     expert_S = topk_idx_TK.reshape(-1)  # S = T*K token slots, slot s belongs to token s // K
     order_S, offs_E = expert_order(expert_S, w1_EFD.shape[0])
-    x_SD = x_TD[order_S // K]
+    token_S = order_S // K
+    x_SD = x_TD[token_S]
     # NOTE: the transposed weight views ([E, D, F] with strides (F*D, 1, D)) are what
     # _grouped_mm expects for "x @ w.T"; no copy is made.
     gate_SF = torch._grouped_mm(x_SD, w1_EFD.transpose(-2, -1), offs=offs_E)
     up_SF = torch._grouped_mm(x_SD, w3_EFD.transpose(-2, -1), offs=offs_E)
     h_SF = act(gate_SF, up_SF)
-    return torch._grouped_mm(h_SF, w2_EDF.transpose(-2, -1), offs=offs_E), order_S
+    return torch._grouped_mm(h_SF, w2_EDF.transpose(-2, -1), offs=offs_E), order_S, token_S
 
 
 def moe_experts_grouped(
@@ -212,9 +214,9 @@ def moe_experts_grouped(
     slot's output is garbage). The router's top-k guarantees the range; the loop checks it.
     """
     _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
-    out_SD, order_S = grouped_expert_outputs(x_TD, topk_idx_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn)
+    out_SD, order_S, token_S = grouped_expert_outputs(x_TD, topk_idx_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn)
     # fp32 weight x out_SD promotes the product to fp32 (no cast of out_SD first); summed in place into the zeros
     weight_S = topk_w_TK.reshape(-1)[order_S].float()
     y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-    y_TD.index_add_(0, order_S // topk_idx_TK.shape[1], weight_S.unsqueeze(-1) * out_SD)
+    y_TD.index_add_(0, token_S, weight_S.unsqueeze(-1) * out_SD)
     return y_TD.to(x_TD.dtype)

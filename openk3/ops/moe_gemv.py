@@ -268,7 +268,7 @@ def moe_experts_grouped_combined(
     if needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
         raise ValueError("moe_experts_grouped_combined is forward only, but an input requires grad; "
                          "use moe_experts_grouped")
-    out_SD, order_S = grouped_expert_outputs(x_TD, topk_idx_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn)
+    out_SD, order_S, _ = grouped_expert_outputs(x_TD, topk_idx_TK, w1_EFD, w2_EDF, w3_EFD, act, weight_fn)
     return combine_slots(out_SD, order_S, topk_w_TK)
 
 

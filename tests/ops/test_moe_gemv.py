@@ -178,7 +178,7 @@ def test_interpreted_grouped_combined_matches_grouped_and_loop(T, K, E, dtype):
     index_add and the loop: the same fp32 sum of each token's K terms, in k order."""
     inputs = random_moe(T, 48, 40, E, K, dtype, seed=T + K + E)
     with torch.no_grad():
-        out_SD, order_S = grouped_expert_outputs(inputs[0], inputs[1], *inputs[3:], swiglu)
+        out_SD, order_S, _ = grouped_expert_outputs(inputs[0], inputs[1], *inputs[3:], swiglu)
         y = moe_gemv.combine_slots(out_SD, order_S, inputs[2], block_d=32)
         y_default = moe_gemv.moe_experts_grouped_combined(*inputs, situ_k3)
         y_grouped = moe_experts_grouped(*inputs, swiglu)
