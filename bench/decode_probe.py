@@ -142,12 +142,8 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
 def part_attn() -> dict:
     from openk3.model.model import prefix_causal_attention, varlen_causal_attention
 
-    def once(fn) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
+    def once(fn) -> float:  # ms until the device is done with one call
+        return timed(fn, 1)[1]
     out = {}
     for T, S in [(2048, 10240), (2048, 10304), (257, 32768), (300, 5000), (8192, 65536)]:
         q = torch.randn(1, 16, T, 192, device="cuda", dtype=torch.bfloat16)
@@ -173,11 +169,7 @@ def part_prefill(model, args, rng, L: int, B: int, chunk: int, out_dir: Path) ->
 
     def run() -> float:
         prompts = random_prompts(B, L, model.config.vocab_size, rng)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, greedy(1))
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
+        return timed(lambda: engine.generate(prompts, greedy(1)), 1)[1]
     run()  # untimed: every kernel of these shapes compiled and tuned
     out = {"ms": run(), "tokens": B * L, "chunk": chunk}
     out["top"] = profile_step(run, out_dir / f"prefill_{L}_b{B}_c{chunk}.txt")[:30]

@@ -298,13 +298,14 @@ CUDNN_PREFIX_ENV = "OPENK3_CUDNN_PREFIX_ATTENTION"
 
 
 def cudnn_attention_runs(q: Tensor, v: Tensor) -> bool:
-    """Whether `prefix_causal_attention` takes q [.., qd] and v [.., vd]: asked for (env OPENK3_CUDNN_PREFIX_ATTENTION=1,
-    `CUDNN_PREFIX_ENV`), cuDNN's fused attention with its log-sum-exp (`_scaled_dot_product_cudnn_attention`) on a
-    Hopper GPU (sm90, where it was measured and tested), bf16 or fp16, head widths multiples of 8 up to 256, cuDNN's
-    SDPA not turned off (`torch.backends.cuda.enable_cudnn_sdp(False)`), and nothing needing a gradient: cuDNN's
-    log-sum-exp carries none, so a merge's backward would be wrong."""
-    return (os.environ.get(CUDNN_PREFIX_ENV) == "1" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.backends.cudnn.is_available()
-            and torch.backends.cuda.cudnn_sdp_enabled() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+    """Whether `prefix_causal_attention` takes q [.., qd] and v [.., vd]: asked for (`CUDNN_PREFIX_ENV`=1), cuDNN's
+    fused attention with its log-sum-exp (`_scaled_dot_product_cudnn_attention`) on a Hopper GPU (sm90, where it was
+    measured and tested), bf16 or fp16, head widths multiples of 8 up to 256, cuDNN's SDPA not turned off
+    (`torch.backends.cuda.enable_cudnn_sdp(False)`), and nothing needing a gradient: cuDNN's log-sum-exp carries
+    none, so a merge's backward would be wrong."""
+    return (os.environ.get(CUDNN_PREFIX_ENV) == "1" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
             and all(d % 8 == 0 and d <= 256 for d in (q.shape[-1], v.shape[-1]))
             and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad))
             and torch.cuda.get_device_capability(q.device)[0] == 9)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
-from openk3.ops.moe_gemv import needs_grad, gemv_applies, gemv_supported, moe_experts_gemv, moe_experts_grouped_combined
+from openk3.ops.moe_gemv import gemv_applies, gemv_supported, moe_experts_gemv, moe_experts_grouped_combined, needs_grad
 
 __all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "moe_experts", "select_kda_backend",
            "select_moe_backend"]
