@@ -11,11 +11,14 @@ reason that `openk3 info --backends` prints; call sites never try/except.
   comparison), =1 makes it an error when they cannot run. At the call (`moe_experts`) three tests remain: that
   size test, whether a gradient is needed, and, inside torch.compile, whether a non-bf16 grouped matmul must run
   outside the graph.
+- CUDA graphs: `graph_capture`, torch.cuda.graph with Python's cyclic garbage collector paused (why: its docstring).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +28,27 @@ from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
 from openk3.ops.moe_gemv import gemv_applies, gemv_supported, moe_experts_gemv, moe_experts_grouped_combined, needs_grad
 
-__all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "moe_experts", "select_kda_backend",
+__all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "graph_capture", "moe_experts", "select_kda_backend",
            "select_moe_backend"]
+
+
+@contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None):
+    """`torch.cuda.graph(graph, pool=pool)` with Python's cyclic garbage collector paused for the capture.
+    NOTE: torch no longer collects before a capture (`torch.compiler.config.force_cudagraph_gc`, off by default), so
+    an automatic collection could run inside one. If it frees a dead CUDA graph (an engine dropped in a reference
+    cycle), the graph's destruction is a CUDA call that a global-mode capture forbids: the capture is invalidated
+    and the op being captured fails (an fp32 Linear's `CUBLAS_STATUS_EXECUTION_FAILED` on the H200, with torch's
+    warning "operation not permitted when stream is capturing" from CUDAGraph's reset; docs/engine.md). Collection
+    resumes after the capture, so the cycle is freed then."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield graph
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)

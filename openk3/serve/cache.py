@@ -83,6 +83,15 @@ def select_kda_rows(states: list[KDAState], rows: list[int]) -> list[KDAState]:
     return [KDAState(s.recurrent.index_select(0, idx), s.conv.index_select(0, idx)) for s in states]
 
 
+def split_kda_rows(states: list[KDAState]) -> list[list[KDAState]]:
+    """Every row's own batch-1 states (requests prefilled together going their own ways): views of the batch's
+    tensors, no copy. Each row's view is its own memory, so one request's in-place updates never touch another's."""
+    if not states:
+        return []
+    return [list(row) for row in zip(*([KDAState(r, c) for r, c in zip(s.recurrent.split(1), s.conv.split(1))]
+                                       for s in states))]
+
+
 def rollback_kda(state: KDAState, committed: KDAState, inputs: dict[str, Tensor], keep_B: Tensor) -> None:
     """Speculative-decoding rollback of one KDA layer, in place on `state`.
 

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from openk3.model.checkpoint import load_for_inference
 from openk3.model.model import RECURRENT_SEGMENT_TOKENS, K3ForCausalLM
-from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states, select_kda_rows
+from openk3.serve.cache import Match, PagedSeq, PagePool, PrefixCache, PrefixPath, cat_kda_states, split_kda_rows
 from openk3.serve.runner import ModelRunner
 from openk3.serve.sampler import SamplingParams, accept_draft, filtered_probs, sample_tokens
 from openk3.serve.static import Launched, capture_problem
@@ -516,22 +516,31 @@ class Engine:
                                    [r.prompt[r.seq.length:r.seq.length + T] for r in group], logits_to_keep=1,
                                    **images)
             if len(group) > 1:
-                for b, r in enumerate(group):
-                    r.kda = select_kda_rows(states, [b])
-            finite = self._finite(logits[:, -1], group, outputs)  # before their states reach the prefix cache
+                for r, rows in zip(group, split_kda_rows(states)):
+                    r.kda = rows
+            # the group's last logits read back once: whether each row is finite, and the greedy token and its
+            # logprob for the rows whose prompt ends here (one host sync a group, not two a request)
+            last = logits[:, -1]
+            argmax = last.argmax(-1, keepdim=True)
+            logprob = torch.log_softmax(last, -1).gather(-1, argmax)
+            finite_argmax_logprob = torch.stack([torch.isfinite(last).all(-1).double(), argmax[:, 0].double(),
+                                                 logprob[:, 0].double()]).tolist()
+            finite = [bool(f) for f in finite_argmax_logprob[0]]
+            self._fail_rows(group, finite, outputs)  # before their states reach the prefix cache
             budget -= T * len(group)
             self.counters["prefill_tokens"] += T * len(group)
             self.counters["prefill_forwards"] += 1
             done = {id(r) for r, ok in zip(group, finite) if not ok}
             for b, (req, ok) in enumerate(zip(group, finite)):
-                if ok and self._prefilled(req, logits[b, -1], outputs):
+                first = (int(finite_argmax_logprob[1][b]), finite_argmax_logprob[2][b])
+                if ok and self._prefilled(req, last[b], first, outputs):
                     done.add(id(req))
             self.prefilling = [r for r in self.prefilling if id(r) not in done]
 
-    def _prefilled(self, req: Request, logits_V: Tensor, outputs: list[StepOutput]) -> bool:
-        """After a prefill chunk of `req` (its last logits `logits_V`): publish it to the prefix cache, and if it was
-        the prompt's last chunk, sample the first token and move the request to the decode batch (or end it).
-        -> whether the request's prefill is over."""
+    def _prefilled(self, req: Request, logits_V: Tensor, greedy: tuple[int, float], outputs: list[StepOutput]) -> bool:
+        """After a prefill chunk of `req` (its last logits `logits_V`; `greedy`: their argmax and its logprob, read
+        back with the group's): publish it to the prefix cache, and if it was the prompt's last chunk, sample the
+        first token and move the request to the decode batch (or end it). -> whether the request's prefill is over."""
         n, end, ci = len(req.prompt), req.seq.length, self.checkpoint_interval
         if self.prefix is not None:
             if ci is not None and end % ci == 0 and end < n:
@@ -547,8 +556,10 @@ class Engine:
                               [req.prompt[s:s + self.cfg.prefill_chunk]], logits_to_keep=1)
         if self.prefix is not None:  # always a checkpoint at the end of a prompt
             self.prefix.checkpoint(req.prefix, cache_key(req), req.seq, req.kda, 0, self._make_room)
-        token = sample_tokens(logits_V[None], [req])[0]
-        logprob = float(torch.log_softmax(logits_V, -1)[token])
+        token, logprob = greedy
+        if not req.params.greedy:
+            token = sample_tokens(logits_V[None], [req])[0]
+            logprob = float(torch.log_softmax(logits_V, -1)[token])
         self._emit(req, [token], [logprob], outputs)
         if req.finished:
             self._end(req, req.finish_reason, outputs, states=req.kda, row=0, emitted=True)

@@ -69,8 +69,9 @@ class ModelRunner:
         self.decoder = StaticDecoder(model, self.pool, self.slots, graphs, compile, self.fused) \
             if slots is not None else None
         self.static_prefill = self.decoder is not None and (graphs if static_prefill is None else static_prefill)
-        self.rows: list[int] = []  # fast path: the slot of each row of the decode batch (slot ids, not the pools' rows)
-        self.kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
+        self._rows: list[int] = []  # fast path: the slot of each row of the decode batch (slot ids, not pool rows)
+        self._kda: list = new_kda_states(model.config, 0, self.device, self.dtype)  # the decode batch
+        self._joining: list[list[KDAState]] = []  # the states of requests that joined since the batch was last used
         if self.slots is not None:
             self._view()
         self.speculating = False  # between begin_speculation and end_speculation: forwards keep the KDA inputs
@@ -108,7 +109,7 @@ class ModelRunner:
         """`forward` of a prefill chunk (the last token's logits kept) through the fast path's static runs
         (`StaticDecoder.prefill`): the rows' KDA states go into free slots of the pool for the chunk and come back
         out after it (two copies of each kind)."""
-        slots = [self.slots.take(kda, b) for b in range(len(seqs))]
+        slots = self.slots.take_rows(kda)
         try:
             logits = self.decoder.prefill(seqs, slots, tokens)
             self.slots.read(slots, kda)
@@ -119,27 +120,47 @@ class ModelRunner:
 
     # ---- the decode batch's KDA states
     def join(self, states: list[KDAState]) -> None:
-        """A request's states become the batch's last row (fast path: they are copied into a free slot)."""
-        if self.slots is None:
-            self.kda = cat_kda_states(self.kda, states)
+        """A request's states become the batch's last row (fast path: they are copied into a free slot). Deferred to
+        the batch's next use (`rows`, `kda`), so that the requests a prefill group ends join in one copy per kind
+        instead of two copies, a view rebuild and two host-to-device copies each (64 of them at batch 64)."""
+        self._joining.append(states)
+
+    @property
+    def rows(self) -> list[int]:
+        """Fast path: the slot of each row of the decode batch."""
+        self._join_pending()
+        return self._rows
+
+    @property
+    def kda(self) -> list:
+        """The decode batch's KDA states, one per KDA layer (fast path: views of the slot pool at `rows`)."""
+        self._join_pending()
+        return self._kda
+
+    def _join_pending(self) -> None:
+        if not self._joining:
             return
-        self.rows.append(self.slots.take(states))
+        joining, self._joining = self._joining, []
+        if self.slots is None:
+            self._kda = cat_kda_states(self._kda, *joining)
+            return
+        self._rows += self.slots.take_rows(*joining)
         self._view()
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows stay, in this order (requests left the batch; fast path: their slots are freed)."""
         if self.slots is None:
-            self.kda = select_kda_rows(self.kda, rows)
+            self._kda = select_kda_rows(self.kda, rows)
             return
         for b in set(range(len(self.rows))) - set(rows):
             self.slots.give(self.rows[b])
-        self.rows = [self.rows[b] for b in rows]
+        self._rows = [self.rows[b] for b in rows]
         self._view()
 
     def _view(self) -> None:
         """`kda` for the fast path: the slot pool's states at the batch's slots (rebuilt on join and leave only;
         the objects persist between them, as speculation's kept inputs must)."""
-        self.kda = self.slots.view(device_tensor(self.rows, self.device))  # (not waiting for a step in flight)
+        self._kda = self.slots.view(device_tensor(self._rows, self.device))  # (not waiting for a step in flight)
 
     def decode(self, seqs: list[PagedSeq], tokens: list[int], params: list[SamplingParams], seeds: list[int],
                counters: list[int], with_logits: bool = False) -> tuple:

@@ -52,7 +52,7 @@ from openk3.config import K3Config
 from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
-from openk3.ops import select_kda_backend, select_moe_backend
+from openk3.ops import graph_capture, select_kda_backend, select_moe_backend
 from openk3.serve.cache import (PagedSeq, PagePool, device_tensor, kept_conv_tail, pinned_copies, rollback_kda,
                                 upload)
 from openk3.serve.sampler import SamplingParams, sample_batch
@@ -133,13 +133,22 @@ class SlotPool:
 
     def take(self, states: list[KDAState], row: int = 0) -> int:
         """A free slot, holding row `row` of `states` (one per KDA layer; a prefilled request's batch-1 states)."""
-        if not self.free:
-            raise RuntimeError(f"all {self.size} KDA slots are in use")
-        slot = self.free.pop()
-        rows = self.rows(device_tensor([slot], self.layer_rows.device))[:, 0]  # [L]
-        self.recurrent_all.index_copy_(0, rows, torch.stack([s.recurrent[row] for s in states]))
-        self.conv_all.index_copy_(0, rows, torch.stack([s.conv[row] for s in states]).to(self.conv_all.dtype))
-        return slot
+        return self.take_rows([KDAState(s.recurrent[row:row + 1], s.conv[row:row + 1]) for s in states])[0]
+
+    def take_rows(self, *parts: list[KDAState]) -> list[int]:
+        """A free slot for every row of every part (each one state per KDA layer, a batch of rows), holding that row:
+        two copies in all (a prefill group's rows, the requests joining the decode batch together), not two a row.
+        -> the slots, part by part, row by row."""
+        B = sum(p[0].recurrent.shape[0] for p in parts)
+        if len(self.free) < B:
+            raise RuntimeError(f"{B} KDA slots wanted, {len(self.free)} of {self.size} free")
+        slots = [self.free.pop() for _ in range(B)]
+        rows = self.rows(device_tensor(slots, self.layer_rows.device)).view(-1)  # layer by layer, B rows each
+        layers = range(len(parts[0]))
+        conv = torch.cat([p[i].conv for i in layers for p in parts])
+        self.recurrent_all.index_copy_(0, rows, torch.cat([p[i].recurrent for i in layers for p in parts]))
+        self.conv_all.index_copy_(0, rows, conv.to(self.conv_all.dtype))
+        return slots
 
     def read(self, slots: list[int], states: list[KDAState]) -> None:
         """Set `states` (one per KDA layer, a batch of len(slots) rows) to the slots' states, row b from slots[b]:
@@ -460,7 +469,7 @@ class StaticDecoder:
                 run(buf, greedy_only)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with graph_capture(graph, pool=self.mempool):
             out = run(buf, greedy_only)
         self.counters["graph_captures"] += 1
         return graph, out

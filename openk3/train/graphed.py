@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from openk3.ops import graph_capture
 from openk3.train.optim import MuonAdamW
 
 
@@ -67,7 +68,7 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(side)
         grads_to_none()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with graph_capture(self.graph):
             self.loss = step().detach()
 
     def replay(self) -> Tensor:
