@@ -164,9 +164,10 @@ def device_busy_us(prof) -> float:
 
 
 def profile_step(step, path: Path) -> list[dict]:
-    """One more step under torch.profiler: the 40 ops with the most device time (self), as a table and rows. The
-    table's first line counts the kernels run, their device time in all (nested ops count twice there), the time
-    the device was busy (`device_busy_us`) and the step's wall time."""
+    """One more step under torch.profiler: the 40 ops with the most device time (self), as a table and rows, and
+    under the table the 25 with the most host time (self: a host-bound step's launches and waits). The table's first
+    line counts the kernels run, their device time in all (nested ops count twice there), the time the device was
+    busy (`device_busy_us`) and the step's wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -184,7 +185,8 @@ def profile_step(step, path: Path) -> list[dict]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{kernels} kernels, {total / 1e3:.2f} ms of device time; device busy {busy_ms:.1f} ms of the "
                     f"profiled step's {wall_ms:.1f} ms wall (profiler overhead included)\n"
-                    + events.table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
+                    + events.table(sort_by="self_cuda_time_total", row_limit=40) + "\n\nBy host time:\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
     rows = sorted(events, key=dev_us, reverse=True)[:40]
     print(f"  profiled step: device busy {busy_ms:.1f} ms of {wall_ms:.1f} ms wall", flush=True)
     return [{"op": "(device busy, ms; wall ms)", "self_device_ms": busy_ms, "share": busy_ms / wall_ms, "calls": 1}] + [

@@ -64,8 +64,13 @@ def device_tensor(values: list, device) -> Tensor:
 # ------------------------------------------------------------------------------------------ KDA state
 
 def new_kda_states(config: K3Config, batch: int, device, dtype: torch.dtype) -> list[KDAState]:
-    """Zero KDA states, one per KDA layer in layer order: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K]."""
-    return [KDAState.zeros(config, batch, device, dtype) for kind in config.layer_types if kind == "kda"]
+    """Zero KDA states, one per KDA layer in layer order: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K].
+    Every layer's state is a view of one zeroed tensor per kind (two fills for a request, not two a layer)."""
+    L = config.layer_types.count("kda")
+    if batch == 0:
+        return [KDAState.zeros(config, 0, device, dtype) for _ in range(L)]
+    whole = KDAState.zeros(config, L * batch, device, dtype)
+    return [KDAState(r, c) for r, c in zip(whole.recurrent.split(batch), whole.conv.split(batch))]
 
 
 def cat_kda_states(*parts: list[KDAState]) -> list[KDAState]:

@@ -8,7 +8,7 @@ import torch
 from openk3.config import K3Config, kimi_k3, tiny
 from openk3.model import K3ForCausalLM, KimiDeltaAttention
 from openk3.serve.cache import (KDAState, PagedSeq, PagePool, PrefixCache, cache_bytes_per_token, cat_kda_states,
-                                new_kda_states, paged_cache, rollback_kda, select_kda_rows)
+                                new_kda_states, paged_cache, rollback_kda, select_kda_rows, split_kda_rows)
 from tests.helpers import rel_err
 
 
@@ -135,6 +135,32 @@ def test_batch_rows_join_and_leave():
     for x, y, z in zip(picked, a, b):
         assert torch.equal(x.recurrent[0], z.recurrent[0]) and torch.equal(x.recurrent[1], y.recurrent[0])
         assert torch.equal(x.conv[0], z.conv[0]) and torch.equal(x.conv[1], y.conv[0])
+
+
+def test_split_rows_are_each_rows_own_states():
+    """A prefill group's states split into its rows' batch-1 states (views): each equals its row, and writing one
+    row's state in place (as the next chunk's forward does) leaves the other rows alone. Fresh states start at zero,
+    each layer its own."""
+    c = small_config()
+    fresh = new_kda_states(c, 3, "cpu", torch.float32)
+    assert len(fresh) == c.layer_types.count("kda") and all(not s.recurrent.any() and not s.conv.any() for s in fresh)
+    for s in fresh:
+        s.recurrent.normal_()
+        s.conv.normal_()
+    before = [KDAState(s.recurrent.clone(), s.conv.clone()) for s in fresh]
+    rows = split_kda_rows(fresh)
+    assert len(rows) == 3 and all(len(r) == len(fresh) for r in rows)
+    for b, row in enumerate(rows):
+        for x, whole in zip(row, before):
+            assert x.recurrent.shape[0] == 1 and torch.equal(x.recurrent[0], whole.recurrent[b])
+            assert torch.equal(x.conv[0], whole.conv[b])
+    rows[1][0].recurrent.add_(1.0)
+    rows[1][-1].conv.zero_()
+    assert torch.equal(rows[0][0].recurrent[0], before[0].recurrent[0])
+    assert torch.equal(rows[2][0].recurrent[0], before[0].recurrent[2])
+    assert torch.equal(rows[0][-1].conv[0], before[-1].conv[0]) and torch.equal(rows[2][-1].conv[0], before[-1].conv[2])
+    assert torch.equal(rows[1][0].recurrent[0], before[0].recurrent[1] + 1.0)
+    assert torch.equal(fresh[0].recurrent[1], before[0].recurrent[1] + 1.0)  # views of the batch, not copies
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

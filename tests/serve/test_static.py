@@ -497,6 +497,39 @@ def test_slot_states_without_the_recurrent_gather_read_the_pool_and_go_stale_aft
         assert torch.equal(state.recurrent[0], pool.recurrent[layer][3])  # read back from the pool, not the stale gather
 
 
+def test_slots_taken_together_hold_their_rows_in_order():
+    """`SlotPool.take_rows` of parts of 2, 1 and 3 rows (a prefill group; requests joining the batch at once) puts
+    each row in its own slot, layer by layer, part by part: reading the slots back gives the rows in that order, and
+    the pool rows of the slots not taken stay as they were. `take` of one row is the same with one part."""
+    from openk3.serve.cache import new_kda_states
+    from openk3.serve.static import SlotPool
+    model = small_model("k3", seed=3)
+    pool = SlotPool(model.config, 8, "cpu", torch.float32)
+    pool.recurrent_all.normal_(generator=torch.Generator().manual_seed(0))
+    untouched = pool.recurrent_all.clone()
+    parts = [new_kda_states(model.config, n, "cpu", torch.float32) for n in (2, 1, 3)]
+    for part in parts:
+        for s in part:
+            s.recurrent.normal_()
+            s.conv.normal_()
+    slots = pool.take_rows(*parts)
+    assert len(slots) == len(set(slots)) == 6 and len(pool.free) == 2
+    read = new_kda_states(model.config, 6, "cpu", torch.float32)
+    pool.read(slots, read)
+    for layer, state in enumerate(read):
+        expected = torch.cat([part[layer].recurrent for part in parts])
+        assert torch.equal(state.recurrent, expected)
+        assert torch.equal(state.conv, torch.cat([part[layer].conv for part in parts]))
+    rows = pool.rows(torch.tensor(pool.free)).flatten()
+    assert torch.equal(pool.recurrent_all[rows], untouched[rows])
+    single = new_kda_states(model.config, 1, "cpu", torch.float32)
+    pool.read([pool.take(parts[2], row=1)], single)
+    for s, p in zip(single, parts[2]):
+        assert torch.equal(s.recurrent[0], p.recurrent[1]) and torch.equal(s.conv[0], p.conv[1])
+    with pytest.raises(RuntimeError, match="2 KDA slots wanted, 1 of 8 free"):
+        pool.take_rows(parts[0])
+
+
 # ------------------------------------------------------------------------------------------ speculative verification
 
 def verify_both_ways(model, keep: list[int], device: str = "cpu", graphs: bool = False,
