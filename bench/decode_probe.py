@@ -21,7 +21,8 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                more such run under the profiler
   attn         a cached chunk's attention at kimi-linear-1.5b's heads (16 x qk 192, v 128, bf16), T new tokens after
                S - T cached, at shapes not seen before in the process: ms of the first call (cuDNN builds an
-               execution plan per new shape) and of a repeat, for cuDNN's two merged parts and the varlen flash kernel
+               execution plan per new shape) and of a repeat, for cuDNN's two merged parts and the varlen flash kernel;
+               then a prompt's first chunk (T x T, plain causal) through SDPA's order (cuDNN first) and varlen
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -140,7 +141,10 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
 
 
 def part_attn() -> dict:
-    from openk3.model.model import prefix_causal_attention, varlen_causal_attention
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from openk3.model.model import SDPA_ORDER, prefix_causal_attention, varlen_causal_attention
 
     def once(fn) -> float:  # ms until the device is done with one call
         return timed(fn, 1)[1]
@@ -160,6 +164,21 @@ def part_attn() -> dict:
         out[f"{T}x{S}"] = row
         print(f"  attention T={T} S={S}: " + ", ".join(f"{n} first {r['first_ms']:.2f} ms, then {r['repeat_ms']:.2f}"
                                                         for n, r in row.items()), flush=True)
+    for T in (1000, 1001, 3000, 8192):  # a prompt's first chunk (plain causal): SDPA's order (cuDNN first) vs varlen
+        q, k = (torch.randn(1, 16, T, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(1, 16, T, 128, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+
+        def sdpa():
+            with sdpa_kernel(SDPA_ORDER["cuda"], set_priority=True):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=192 ** -0.5)
+        paths = {"sdpa_order": sdpa,
+                 "varlen": lambda: varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           cu, T, 192 ** -0.5)}
+        row = {name: {"first_ms": once(fn), "repeat_ms": min(once(fn) for _ in range(3))} for name, fn in paths.items()}
+        out[f"{T}x{T}"] = row
+        print(f"  first chunk T={T}: " + ", ".join(f"{n} first {r['first_ms']:.2f} ms, then {r['repeat_ms']:.2f}"
+                                                   for n, r in row.items()), flush=True)
     return out
 
 

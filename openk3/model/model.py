@@ -293,7 +293,8 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
 # prefix hit: on the H200 a first call at a new shape took 126-1,605 ms, a repeat 0.3-8 ms against varlen flash's
 # 0.4-20 ms (docs/engine.md, eighth session). It pays where shapes repeat (long prompts in full chunks: S = n x chunk),
 # not for a server's varied prompts; hence off by default. TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch's ragged cuDNN
-# path, meant to avoid the rebuilds) was not tried here.
+# path, meant to avoid the rebuilds) made every first call ~73 ms instead (72.5-75.5 ms at the five shapes that took
+# 78-1,597 ms without it; ninth session): still far above flash's, so still off.
 CUDNN_PREFIX_ENV = "OPENK3_CUDNN_PREFIX_ATTENTION"
 
 
@@ -588,6 +589,14 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.H, -1)], dim=-1)
         if varlen is not None:
             return varlen_causal_attention(q, k, v, *varlen, self.scale)
+        if (causal and mask is None and S == T and varlen_attention_runs(q)
+                and not (torch.is_grad_enabled() and q.requires_grad)):
+            # A prompt's first chunk at inference: the varlen flash kernel, not SDPA's cuDNN kernel first (SDPA_ORDER):
+            # cuDNN builds an execution plan for every new shape, and a server's prompt lengths are new all the time
+            # (on the H200 a first call at a new length took 25-1,600 ms where flash took ~1 ms; docs/engine.md,
+            # ninth session). Training keeps cuDNN: its shapes repeat and the backward runs there.
+            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+            return varlen_causal_attention(q, k, v, cu, T, self.scale)
         if causal and mask is None and S != T:
             # A cached chunk: causal aligned to the last key, without a dense [T, S] mask. Opted in, on CUDA sm90 in
             # bf16/fp16 cuDNN's kernel in two parts (`prefix_causal_attention`); else on CUDA in bf16/fp16 the
