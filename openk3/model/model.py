@@ -593,8 +593,9 @@ class GatedMLA(nn.Module):
                 and not (torch.is_grad_enabled() and q.requires_grad)):
             # A prompt's first chunk at inference: the varlen flash kernel, not SDPA's cuDNN kernel first (SDPA_ORDER):
             # cuDNN builds an execution plan for every new shape, and a server's prompt lengths are new all the time
-            # (on the H200 a first call at a new length took 25-1,600 ms where flash took ~1 ms; docs/engine.md,
-            # ninth session). Training keeps cuDNN: its shapes repeat and the backward runs there.
+            # (on the H200 a first call at a new length took 35.7-542.8 ms where flash took 0.4-1.9 ms; a repeat
+            # 0.07-0.65 ms against 0.13-1.57; docs/engine.md, ninth session). Training keeps cuDNN: its shapes
+            # repeat, and the backward runs there.
             cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
             return varlen_causal_attention(q, k, v, cu, T, self.scale)
         if causal and mask is None and S != T:
