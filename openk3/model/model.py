@@ -594,10 +594,11 @@ class GatedMLA(nn.Module):
             # A prompt's first chunk at inference: the varlen flash kernel, not SDPA's cuDNN kernel first (SDPA_ORDER):
             # cuDNN builds an execution plan for every new shape, and a server's prompt lengths are new all the time
             # (on the H200 a first call at a new length took 35.7-542.8 ms where flash took 0.4-1.9 ms; a repeat
-            # 0.07-0.65 ms against 0.13-1.57; docs/engine.md, ninth session). Training keeps cuDNN: its shapes
-            # repeat, and the backward runs there.
+            # 0.07-0.65 ms against 0.13-1.57; docs/engine.md, ninth session). A training step (q needs a gradient)
+            # keeps SDPA's order: its shapes repeat. The keys and values take q's dtype as in the cached branch below
+            # (under autocast the cached k_pe keeps the cache's dtype; varlen is not cast by autocast as SDPA is).
             cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-            return varlen_causal_attention(q, k, v, cu, T, self.scale)
+            return varlen_causal_attention(q, k.to(q.dtype), v.to(q.dtype), cu, T, self.scale)
         if causal and mask is None and S != T:
             # A cached chunk: causal aligned to the last key, without a dense [T, S] mask. Opted in, on CUDA sm90 in
             # bf16/fp16 cuDNN's kernel in two parts (`prefix_causal_attention`); else on CUDA in bf16/fp16 the

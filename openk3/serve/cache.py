@@ -67,8 +67,8 @@ def new_kda_states(config: K3Config, batch: int, device, dtype: torch.dtype) -> 
     """Zero KDA states, one per KDA layer in layer order: recurrent [B, H, K, K] fp32, conv tail [B, W-1, 3*H*K].
     Every layer's state is a view of one zeroed tensor per kind (two fills for a request, not two a layer)."""
     L = config.layer_types.count("kda")
-    if batch == 0:
-        return [KDAState.zeros(config, 0, device, dtype) for _ in range(L)]
+    if batch == 0 or L == 0:
+        return [KDAState.zeros(config, batch, device, dtype) for _ in range(L)]
     whole = KDAState.zeros(config, L * batch, device, dtype)
     return [KDAState(r, c) for r, c in zip(whole.recurrent.split(batch), whole.conv.split(batch))]
 

@@ -88,6 +88,8 @@ class ModelRunner:
         image_features: the vision vectors of the `<|media_pad|>` slots among `tokens` (K3ForConditionalGeneration).
         NOTE: `tokens` must lie in the vocabulary; they are not checked here (the engine checks them at submit)."""
         T = len(tokens[0])
+        # NOTE: `slots.free` may still count slots that pending joins (`join`) will take: the chunk gives its slots
+        # back before they do
         if (self.static_prefill and logits_to_keep == 1 and image_features is None and T <= STATIC_PREFILL_TOKENS
                 and not self.speculating and len(self.slots.free) >= len(seqs)):
             return self._prefill_static(seqs, kda, tokens)
@@ -140,12 +142,12 @@ class ModelRunner:
     def _join_pending(self) -> None:
         if not self._joining:
             return
-        joining, self._joining = self._joining, []
         if self.slots is None:
-            self._kda = cat_kda_states(self._kda, *joining)
-            return
-        self._rows += self.slots.take_rows(*joining)
-        self._view()
+            self._kda = cat_kda_states(self._kda, *self._joining)
+        else:
+            self._rows += self.slots.take_rows(*self._joining)  # (if it raises, the joins stay pending)
+            self._view()
+        self._joining = []
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows stay, in this order (requests left the batch; fast path: their slots are freed)."""

@@ -137,8 +137,9 @@ class SlotPool:
 
     def take_rows(self, *parts: list[KDAState]) -> list[int]:
         """A free slot for every row of every part (each one state per KDA layer, a batch of rows), holding that row:
-        two copies in all (a prefill group's rows, the requests joining the decode batch together), not two a row.
-        -> the slots, part by part, row by row."""
+        one concatenation and one `index_copy_` of each kind and one upload of the rows for all of them (a prefill
+        group's rows, the requests joining the decode batch together), not those a row. -> the slots, part by part,
+        row by row."""
         B = sum(p[0].recurrent.shape[0] for p in parts)
         if len(self.free) < B:
             raise RuntimeError(f"{B} KDA slots wanted, {len(self.free)} of {self.size} free")

@@ -1,7 +1,8 @@
 """The GPU-only fast paths of the model against their references, forward and backward.
 
 - MLA on packed documents: torch's varlen flash kernel (v zero-padded to the qk width) vs SDPA with the dense
-  block-diagonal mask, and the cuDNN-first SDPA order vs the math kernel in fp32, on one GatedMLA layer.
+  block-diagonal mask, and the cuDNN-first SDPA order vs the math kernel in fp32, on one GatedMLA layer; at
+  inference a prompt's first chunk through the varlen kernel.
 - fla's tuned kernel configs written by openk3/ops/kda/tuned.py parse with fla's own reader, keyed as fla keys them.
 """
 
@@ -14,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openk3.config import tiny
 from openk3.model.model import GatedMLA, document_causal_mask
+from openk3.model.state import MLAState
 from tests.helpers import rel_norm_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -62,6 +64,37 @@ def test_mla_causal_sdpa_order_matches_math():
     assert rel_norm_err(gx, gx_ref) < 3e-2
     for n in gp_ref:
         assert rel_norm_err(gp[n], gp_ref[n]) < 3e-2, n
+
+
+def test_mla_first_chunk_at_inference_runs_varlen_and_matches_math(monkeypatch):
+    """At inference a plain causal chunk (no cache) runs the varlen flash kernel, not SDPA's cuDNN-first order (a
+    plan build per new length): bf16 against the fp32 layer on the math kernel. An fp32 layer under bf16 autocast
+    with an fp32 cache (its k_pe keeps the cache's dtype, so the keys come out fp32) runs it too, keys and values
+    cast to q's dtype. A step that needs a gradient keeps SDPA."""
+    import openk3.model.model as m
+    key_dtypes = []
+    varlen = m.varlen_causal_attention
+    monkeypatch.setattr(m, "varlen_causal_attention",
+                        lambda *a, **kw: key_dtypes.append(a[1].dtype) or varlen(*a, **kw))
+    torch.manual_seed(2)
+    c = tiny().replace(num_attention_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    ref = GatedMLA(c).cuda()
+    layer = GatedMLA(c).cuda().to(torch.bfloat16)
+    layer.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
+    x = torch.randn(2, 300, c.hidden_size, device="cuda")
+    with torch.no_grad():
+        with sdpa_kernel([SDPBackend.MATH]):
+            y_ref = ref(x)
+        y = layer(x.to(torch.bfloat16))
+        assert key_dtypes == [torch.bfloat16]
+        assert rel_norm_err(y.float(), y_ref) < 2e-2
+        cache = MLAState(latent=torch.zeros(2, 320, c.kv_lora_rank + c.qk_rope_head_dim, device="cuda"))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y_autocast = ref(x, state=cache)
+        assert key_dtypes == [torch.bfloat16] * 2
+        assert rel_norm_err(y_autocast.float(), y_ref) < 2e-2
+    grads_of(layer, x.to(torch.bfloat16))
+    assert len(key_dtypes) == 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention")

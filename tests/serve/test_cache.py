@@ -161,6 +161,15 @@ def test_split_rows_are_each_rows_own_states():
     assert torch.equal(rows[0][-1].conv[0], before[-1].conv[0]) and torch.equal(rows[2][-1].conv[0], before[-1].conv[2])
     assert torch.equal(rows[1][0].recurrent[0], before[0].recurrent[1] + 1.0)
     assert torch.equal(fresh[0].recurrent[1], before[0].recurrent[1] + 1.0)  # views of the batch, not copies
+    assert torch.equal(fresh[1].recurrent, before[1].recurrent)  # another layer's state is its own memory
+    zero = new_kda_states(c, 2, "cpu", torch.float32)
+    zero[0].recurrent.fill_(1.0)
+    zero[0].conv.fill_(1.0)
+    assert all(not s.recurrent.any() and not s.conv.any() for s in zero[1:])
+    n = c.num_hidden_layers
+    no_kda = c.replace(linear_attn_config={"kda_layers": [], "full_attn_layers": list(range(1, n + 1))})
+    assert no_kda.layer_types == ["mla"] * n
+    assert new_kda_states(no_kda, 1, "cpu", torch.float32) == [] == new_kda_states(no_kda, 0, "cpu", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -530,6 +530,31 @@ def test_slots_taken_together_hold_their_rows_in_order():
         pool.take_rows(parts[0])
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["general", "fast"])
+def test_joins_wait_for_the_batch_and_rows_leave_in_order(fast):
+    """`ModelRunner.join` defers its copy to the batch's next use: three requests join, the batch keeps rows 2 and 0
+    before anything has read it, and a fourth joins after: the batch's states are those requests' in that order, and
+    on the fast path the slot of the one that left is free again."""
+    from openk3.serve.runner import ModelRunner
+    model = small_model("k3", seed=3)
+    runner = ModelRunner(model, num_pages=16, page_size=4, **(dict(slots=4) if fast else {}))
+    parts = [runner.new_states() for _ in range(4)]
+    for part in parts:
+        for s in part:
+            s.recurrent.normal_()
+            s.conv.normal_()
+    for part in parts[:3]:
+        runner.join(part)
+    runner.keep_rows([2, 0])
+    runner.join(parts[3])
+    for layer, state in enumerate(runner.kda):
+        for b, source in enumerate([parts[2], parts[0], parts[3]]):
+            assert torch.equal(state.recurrent[b], source[layer].recurrent[0])
+            assert torch.equal(state.conv[b], source[layer].conv[0])
+    if fast:
+        assert len(runner.rows) == 3 and len(runner.slots.free) == 1
+
+
 # ------------------------------------------------------------------------------------------ speculative verification
 
 def verify_both_ways(model, keep: list[int], device: str = "cpu", graphs: bool = False,
