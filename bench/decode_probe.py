@@ -148,6 +148,13 @@ def part_attn() -> dict:
 
     def once(fn) -> float:  # ms until the device is done with one call
         return timed(fn, 1)[1]
+
+    def first_and_repeat(label: str, paths: dict) -> dict:
+        """Each path's first call (at a shape new to it) and its best of three repeats, printed after `label`."""
+        row = {name: {"first_ms": once(fn), "repeat_ms": min(once(fn) for _ in range(3))} for name, fn in paths.items()}
+        print(f"  {label}: " + ", ".join(f"{n} first {r['first_ms']:.2f} ms, then {r['repeat_ms']:.2f}"
+                                         for n, r in row.items()), flush=True)
+        return row
     out = {}
     for T, S in [(2048, 10240), (2048, 10304), (257, 32768), (300, 5000), (8192, 65536)]:
         q = torch.randn(1, 16, T, 192, device="cuda", dtype=torch.bfloat16)
@@ -158,12 +165,7 @@ def part_attn() -> dict:
         paths = {"cudnn": lambda: prefix_causal_attention(q, k, v, 192 ** -0.5),
                  "varlen": lambda: varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            cu_q, T, 192 ** -0.5, keys=(cu_k, S))}
-        row = {}
-        for name, fn in paths.items():
-            row[name] = {"first_ms": once(fn), "repeat_ms": min(once(fn) for _ in range(3))}
-        out[f"{T}x{S}"] = row
-        print(f"  attention T={T} S={S}: " + ", ".join(f"{n} first {r['first_ms']:.2f} ms, then {r['repeat_ms']:.2f}"
-                                                        for n, r in row.items()), flush=True)
+        out[f"{T}x{S}"] = first_and_repeat(f"attention T={T} S={S}", paths)
     for T in (1000, 1001, 3000, 8192):  # a prompt's first chunk (plain causal): SDPA's order (cuDNN first) vs varlen
         q, k = (torch.randn(1, 16, T, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(1, 16, T, 128, device="cuda", dtype=torch.bfloat16)
@@ -175,10 +177,7 @@ def part_attn() -> dict:
         paths = {"sdpa_order": sdpa,
                  "varlen": lambda: varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            cu, T, 192 ** -0.5)}
-        row = {name: {"first_ms": once(fn), "repeat_ms": min(once(fn) for _ in range(3))} for name, fn in paths.items()}
-        out[f"{T}x{T}"] = row
-        print(f"  first chunk T={T}: " + ", ".join(f"{n} first {r['first_ms']:.2f} ms, then {r['repeat_ms']:.2f}"
-                                                   for n, r in row.items()), flush=True)
+        out[f"{T}x{T}"] = first_and_repeat(f"first chunk T={T}", paths)
     return out
 
 

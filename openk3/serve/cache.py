@@ -93,8 +93,7 @@ def split_kda_rows(states: list[KDAState]) -> list[list[KDAState]]:
     tensors, no copy. Each row's view is its own memory, so one request's in-place updates never touch another's."""
     if not states:
         return []
-    return [list(row) for row in zip(*([KDAState(r, c) for r, c in zip(s.recurrent.split(1), s.conv.split(1))]
-                                       for s in states))]
+    return [[KDAState(s.recurrent[b:b + 1], s.conv[b:b + 1]) for s in states] for b in range(len(states[0].recurrent))]
 
 
 def rollback_kda(state: KDAState, committed: KDAState, inputs: dict[str, Tensor], keep_B: Tensor) -> None:

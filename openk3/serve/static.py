@@ -124,16 +124,12 @@ class SlotPool:
         R = self.stride = slots + 1 + spare
         self.recurrent_all = torch.zeros(n * R, H, K, K, device=device)
         self.conv_all = torch.zeros(n * R, W - 1, 3 * H * K, device=device, dtype=dtype)
-        # per-layer views [R, ...], for the host's copies (`take`) and for reading
+        # per-layer views [R, ...], for the host's copies (`take_rows`) and for reading
         self.recurrent = list(self.recurrent_all.view(n, R, H, K, K).unbind(0))
         self.conv = list(self.conv_all.view(n, R, W - 1, 3 * H * K).unbind(0))
         self.layer_rows = torch.arange(n, device=device)[:, None] * R  # [L, 1]: layer l's slot 0
         self.size, self.spare = slots, spare
         self.free = list(range(slots, 0, -1))  # a stack; slot 0 is the scratch slot
-
-    def take(self, states: list[KDAState], row: int = 0) -> int:
-        """A free slot, holding row `row` of `states` (one per KDA layer; a prefilled request's batch-1 states)."""
-        return self.take_rows([KDAState(s.recurrent[row:row + 1], s.conv[row:row + 1]) for s in states])[0]
 
     def take_rows(self, *parts: list[KDAState]) -> list[int]:
         """A free slot for every row of every part (each one state per KDA layer, a batch of rows), holding that row:

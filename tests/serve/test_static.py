@@ -500,8 +500,8 @@ def test_slot_states_without_the_recurrent_gather_read_the_pool_and_go_stale_aft
 def test_slots_taken_together_hold_their_rows_in_order():
     """`SlotPool.take_rows` of parts of 2, 1 and 3 rows (a prefill group; requests joining the batch at once) puts
     each row in its own slot, layer by layer, part by part: reading the slots back gives the rows in that order, and
-    the pool rows of the slots not taken stay as they were. `take` of one row is the same with one part."""
-    from openk3.serve.cache import new_kda_states
+    the pool rows of the slots not taken stay as they were; one row of a part (a slice) is taken the same way."""
+    from openk3.serve.cache import KDAState, new_kda_states
     from openk3.serve.static import SlotPool
     model = small_model("k3", seed=3)
     pool = SlotPool(model.config, 8, "cpu", torch.float32)
@@ -523,7 +523,7 @@ def test_slots_taken_together_hold_their_rows_in_order():
     rows = pool.rows(torch.tensor(pool.free)).flatten()
     assert torch.equal(pool.recurrent_all[rows], untouched[rows])
     single = new_kda_states(model.config, 1, "cpu", torch.float32)
-    pool.read([pool.take(parts[2], row=1)], single)
+    pool.read(pool.take_rows([KDAState(p.recurrent[1:2], p.conv[1:2]) for p in parts[2]]), single)
     for s, p in zip(single, parts[2]):
         assert torch.equal(s.recurrent[0], p.recurrent[1]) and torch.equal(s.conv[0], p.conv[1])
     with pytest.raises(RuntimeError, match="2 KDA slots wanted, 1 of 8 free"):
