@@ -23,6 +23,10 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                S - T cached, at shapes not seen before in the process: ms of the first call (cuDNN builds an
                execution plan per new shape) and of a repeat, for cuDNN's two merged parts and the varlen flash kernel;
                then a prompt's first chunk (T x T, plain causal) through SDPA's order (cuDNN first) and varlen
+  modules:B    the kernels of one eager fast-path decode step (no CUDA graphs, so each kernel can be traced to its
+               module) of B rows, grouped by the module that launched them (each layer's mixer, router, experts,
+               shared experts, dense MLP, norms; the rest as "step"): count and device us a step, and each group's
+               kernel names in order, written to <out>/modules_b<B>.json
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -140,6 +144,79 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     return {"step_ms": step_ms, "top": rows[:30]}
 
 
+def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = engine_for(model, args, B, prefix_cache=False, cuda_graphs=False)
+    reqs = [engine.submit(p, greedy(200)) for p in random_prompts(B, 512, model.config.vocab_size, rng)]
+    while any(r.status != "running" for r in reqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    names, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        kind = "kda" if layer.is_kda else "mla"
+        parts = {"mixer": layer.self_attn, "in_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}
+        parts["layer"] = layer  # the residual adds (the innermost range names a kernel's group)
+        if hasattr(layer, "block_sparse_moe"):
+            moe = layer.block_sparse_moe
+            parts.update(moe=moe, router=moe.gate, experts=moe.experts)
+            if hasattr(moe, "shared_experts"):
+                parts["shared"] = moe.shared_experts
+        else:
+            parts["mlp"] = layer.mlp
+        for part, module in parts.items():
+            names[module] = f"{kind}.{part}" if part not in ("mixer",) else kind
+    names[model.lm_head] = "lm_head"
+
+    def enter(module, inputs):
+        module._probe_range = record_function("probe:" + names[module])
+        module._probe_range.__enter__()
+
+    def leave(module, inputs, output):
+        module._probe_range.__exit__(None, None, None)
+    for module in names:
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    groups: dict[str, dict] = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or not e.kernels or e.name.startswith("probe:"):
+            continue
+        parent, group = e.cpu_parent, "step"
+        while parent is not None:
+            if parent.name.startswith("probe:"):
+                group = parent.name[len("probe:"):]
+                break
+            parent = parent.cpu_parent
+        g = groups.setdefault(group, {"kernels": 0, "device_us": 0.0, "names": {}})
+        for k in e.kernels:
+            g["kernels"] += 1
+            g["device_us"] += k.duration
+            key = f"{e.name} | {k.name[:60]}"
+            g["names"][key] = g["names"].get(key, 0) + 1
+    for r in reqs:
+        engine.cancel(r.id)
+    engine.step()
+    total = {"kernels": sum(g["kernels"] for g in groups.values()), "device_us": sum(g["device_us"] for g in groups.values())}
+    order = sorted(groups, key=lambda k: -groups[k]["device_us"])
+    print(f"  modules batch {B}: {total['kernels']} kernels, {total['device_us']:.0f} us of device time a step")
+    for k in order:
+        print(f"    {k:16s} {groups[k]['kernels']:5d} kernels {groups[k]['device_us']:8.1f} us")
+    out = {"total": total, "groups": {k: groups[k] for k in order}}
+    (out_dir / f"modules_b{B}.json").write_text(json.dumps(out, indent=1))
+    return {"total": total, "groups": {k: {"kernels": groups[k]["kernels"], "device_us": groups[k]["device_us"]}
+                                       for k in order}}
+
+
 def part_attn() -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -249,7 +326,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, attn, hit, prefill:L[:B[:C]], decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, attn, hit, prefill:L[:B[:C]], modules:B, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -279,6 +356,8 @@ def main() -> None:
                 v = [int(x) for x in name.split(":")[1:]]
                 L, B, C = (v + [1, 8192][len(v) - 1:])[:3]
                 results[name] = part_prefill(model, args, rng, L, B, C, a.out)
+            elif name.startswith("modules:"):
+                results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("decode:"):
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
