@@ -33,13 +33,13 @@ except ImportError:
 
 from openk3.config import K3Config
 from openk3.model.state import K3Cache, KDAState, MLAState, SlotKDAState
-from openk3.ops import moe_experts
+from openk3.ops import moe_experts, select_moe_backend
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
 from openk3.ops.moe import route
-from openk3.ops.moe_gemv import GLUSpec
-from openk3.ops.router_topk import route_kernel_applies, route_topk
+from openk3.ops.moe_gemv import GLUSpec, gemv_applies
+from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
 
@@ -198,9 +198,53 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
         """`outs`: gate_proj's and up_proj's outputs from a fused matmul of the caller (a LatentMoE stacks them with
-        its down projection); default: this module's own `fused_outputs`, else its Linear calls."""
+        its down projection); default: at most GEMV_MLP_TOKENS tokens without grad, the routed experts' GEMV
+        kernels (`gemv`), else this module's own `fused_outputs`, else its Linear calls."""
+        if outs is None and (y := self.gemv(x)) is not None:
+            return y
         outs = fused_outputs(self, x) if outs is None else outs
         return self.down_proj(self.act(project(self, "gate_proj", x, outs), project(self, "up_proj", x, outs)))
+
+    def gemv(self, x: Tensor) -> Tensor | None:
+        """The MLP as one expert through the routed experts' two GEMV kernels (ops/moe_gemv.py: every token routed
+        to expert 0, the MLP's own weights viewed as [1, ...], with weight 1), or None where they do not run (more
+        than GEMV_MLP_TOKENS tokens, a gradient wanted, no GEMV backend for this device and dtype). Same numerics
+        contract as the Linear calls (each projection rounded to x's dtype, the activation in fp32 on the rounded
+        values, the down projection accumulated in fp32): only the summation order differs. On the H200 at batch 1
+        cuBLAS ran kimi-linear-1.5b's shared expert (1536 -> 2 x 512 -> 1536) as three kernels of 14.8 us a layer
+        together, its gate/up GEMV at ~0.3 TB/s (`decode_probe.py modules:1`, tenth session)."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        if x_TD.shape[0] > GEMV_MLP_TOKENS or torch.is_grad_enabled():
+            return None
+        backend = select_moe_backend(x.device.type, x.dtype)
+        if backend.small is None:
+            return None
+        idx, w = one_expert_route(x_TD)
+        weights = (self.gate_proj.weight[None], self.down_proj.weight[None], self.up_proj.weight[None])
+        if not gemv_applies(x_TD, idx, w, *weights, self.act) or any(p.dtype != x.dtype for p in weights):
+            return None
+        return backend.small(x_TD, idx, w, *weights, self.act).view(*x.shape[:-1], -1)
+
+
+# NOTE: `MLP.gemv` up to this many tokens. Measured on the H200 at batch 1 only (tenth session); at 16 tokens the
+# kernels would read the MLP's weights once per token (L2 may serve the repeats: not measured)
+GEMV_MLP_TOKENS = 4
+_ONE_EXPERT: dict = {}
+
+
+def one_expert_route(x_TD: Tensor) -> tuple[Tensor, Tensor]:
+    """(idx [T, 1] int64 zeros, w [T, 1] ones in x's dtype): every token to expert 0 with weight 1 (`MLP.gemv`),
+    slices of tensors made once per device and dtype, so a decode step does not fill them each time.
+    NOTE: not kept when made while a CUDA graph is being captured: a fill captured there runs only at replay."""
+    key = (x_TD.device, x_TD.dtype)
+    made = _ONE_EXPERT.get(key)
+    if made is None:
+        made = (torch.zeros(GEMV_MLP_TOKENS, 1, dtype=torch.int64, device=x_TD.device),
+                torch.ones(GEMV_MLP_TOKENS, 1, dtype=x_TD.dtype, device=x_TD.device))
+        if not (x_TD.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ONE_EXPERT[key] = made
+    T = x_TD.shape[0]
+    return made[0][:T], made[1][:T]
 
 
 # ------------------------------------------------------------------------------------ token mixers
@@ -696,6 +740,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """-> (topk_idx [T, k], topk_w [T, k] fp32, scores [T, E] fp32)."""
+        if router_kernel_applies(x_TD, self.weight, self.k):  # no grad, on CUDA, decode sizes: one or two kernels
+            return router_forward(x_TD, self.weight, self.e_score_correction_bias, self.k, self.renorm, self.scale)
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 router scores, also under bf16 autocast
             s = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
         if route_kernel_applies(s, self.k):  # no grad, on CUDA: the chain below in one kernel (decode speed)

@@ -15,6 +15,19 @@ from the eager chain's). The result is the eager chain's: the same picks in the 
 differently from torch's reduction order. Exact ties of s + bias (measure zero for real-valued logits) may pick
 another of the tied experts than torch.topk does, whose order for ties is unspecified.
 
+At decode sizes the matmul before it goes into a kernel too (`router_kernel_applies`, `router_forward`): the eager
+`sigmoid(F.linear(x.float(), weight.float()))` is four or five kernels a layer at batch 1 (two casts, cuBLAS's dot
+and its reduction, the sigmoid: 10.6 us a layer on the H200, kimi-linear-1.5b, `decode_probe.py modules:1`, tenth
+session). One program per token and block of experts computes its scores: the fp32 dot products of x with the
+router weight's rows (both read in their own dtype and promoted: a bf16 x bf16 product is exact in fp32, so only the
+summation order differs from the eager matmul), the sigmoid 1 / (1 + exp(-z)), and, when one block holds every
+expert (E <= MAX_FUSED_EXPERTS), the selection above in the same program: one kernel for the whole router. Larger
+E (K3's 896) writes the scores and runs the selection kernel after. The scores are then not bit-equal to the eager
+chain's (summation order, Triton's exp): within ~1e-6 relative; the picks differ only at near-ties of s + bias.
+Each token's scores come from its own program whatever the batch, so a token routes the same in a decode step, a
+speculative verification and a short cached prefill. Above MAX_SCORE_MACS (T * E * D: prefill chunks, K3 at batch
+>= 16) cuBLAS's matmul runs, as before.
+
 Triton is optional: without it `route_kernel_applies` is False and the eager chain runs. With TRITON_INTERPRET=1 in
 the environment at import, the kernel runs in Triton's CPU interpreter on CPU tensors (the tests).
 """
@@ -34,6 +47,13 @@ except ImportError:
 
 INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 MAX_EXPERTS = 4096  # one program holds a token's E scores in registers (K3: 896)
+MAX_FUSED_EXPERTS = 256  # `router_forward`: one program computes all E scores and selects (kimi-linear-1.5b: 32)
+# `router_forward` at most this many multiply-adds (T * E * D): every program reads its experts' weight rows, so
+# at large T cuBLAS's matmul, which reads them once, is the better kernel. kimi-linear-1.5b's decode step at batch
+# 64 is 3.1e6, K3's at batch 1 6.4e6; a prefill chunk of 8,192 tokens 4e8 (cuBLAS). NOTE: the crossover is not
+# measured; the bound keeps every size that was (decode) on the kernel.
+MAX_SCORE_MACS = 2 ** 24
+BLOCK_EXPERTS = 64  # experts a program scores when E > MAX_FUSED_EXPERTS
 
 
 def route_kernel_applies(scores_TE: Tensor, k: int) -> bool:
@@ -50,12 +70,11 @@ def route_kernel_applies(scores_TE: Tensor, k: int) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _route_kernel(scores_ptr, bias_ptr, idx_ptr, w_ptr, scale, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _select(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+        """Token t's picks and weights from its scores s [BLOCK_E] (module docstring), stored at row t."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
-        s = tl.load(scores_ptr + t * E + offs, mask=valid, other=0.0)
         sel = tl.where(valid, s + tl.load(bias_ptr + offs, mask=valid, other=0.0), float("-inf"))
         ks = tl.arange(0, BLOCK_K)
         picked = tl.zeros([BLOCK_K], dtype=tl.int64)
@@ -75,6 +94,35 @@ if triton is not None:
         tl.store(idx_ptr + t * K + ks, picked, mask=ks < K)
         tl.store(w_ptr + t * K + ks, weight, mask=ks < K)
 
+    @triton.jit
+    def _route_kernel(scores_ptr, bias_ptr, idx_ptr, w_ptr, scale, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        s = tl.load(scores_ptr + t * E + offs, mask=offs < E, other=0.0)
+        _select(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K, BLOCK_E, BLOCK_K, RENORM)
+
+    @triton.jit
+    def _router_kernel(x_ptr, x_stride, weight_ptr, scores_ptr, bias_ptr, idx_ptr, w_ptr, scale, E, D,
+                       K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                       RENORM: tl.constexpr, SELECT: tl.constexpr):
+        """Program (t, j): token t's scores of experts j * BLOCK_E ... (fp32 dot products over D, sigmoid), stored;
+        with SELECT (one block holds every expert) its picks and weights too."""
+        t = tl.program_id(0).to(tl.int64)
+        es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        valid = es < E
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + t * x_stride + ds, mask=ds < D, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + es[:, None] * D + ds[None, :], mask=valid[:, None] & (ds[None, :] < D),
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        s = 1.0 / (1.0 + tl.exp(-acc))
+        tl.store(scores_ptr + t * E + es, s, mask=valid)
+        if SELECT:
+            _select(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K, BLOCK_E, BLOCK_K, RENORM)
+
 
 def route_topk(scores_TE: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: float) -> tuple[Tensor, Tensor]:
     """fp32 router scores [T, E] (after the sigmoid) -> (topk_idx [T, k] int64, topk_w [T, k] fp32), as
@@ -88,3 +136,45 @@ def route_topk(scores_TE: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: f
         _route_kernel[(T,)](scores, bias, idx, w, float(scale), E, K=k, BLOCK_E=triton.next_power_of_2(E),
                             BLOCK_K=triton.next_power_of_2(k), RENORM=bool(renorm))
     return idx, w
+
+
+def router_kernel_applies(x_TD: Tensor, weight_ED: Tensor, k: int) -> bool:
+    """Whether `router_forward` runs: `route_kernel_applies`' conditions for the scores it would make (Triton, CUDA
+    or the interpreter, no gradient wanted), x [T, D] and the weight [E, D] in bf16 / fp16 / fp32 on x's device, the
+    weight contiguous, and at most MAX_SCORE_MACS multiply-adds. Shapes and flags only (no sync)."""
+    if triton is None or x_TD.dim() != 2 or weight_ED.dim() != 2 or x_TD.shape[1] != weight_ED.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (x_TD.requires_grad or weight_ED.requires_grad):
+        return False
+    if x_TD.device != weight_ED.device or not weight_ED.is_contiguous() or x_TD.stride(-1) != 1:
+        return False
+    if x_TD.device.type != "cuda" and not (INTERPRET and x_TD.device.type == "cpu"):
+        return False
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    E = weight_ED.shape[0]
+    return x_TD.dtype in floats and weight_ED.dtype in floats and 0 < k <= E <= MAX_EXPERTS \
+        and x_TD.numel() * E <= MAX_SCORE_MACS
+
+
+def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, renorm: bool,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`Router.forward` from its input x [T, D]: (topk_idx [T, k] int64, topk_w [T, k] fp32, scores [T, E] fp32),
+    scores = sigmoid(x . weight^T) in fp32 (module docstring). Only where `router_kernel_applies`."""
+    T, D = x_TD.shape
+    E = weight_ED.shape[0]
+    device = x_TD.device
+    scores = torch.empty(T, E, dtype=torch.float32, device=device)
+    idx = torch.empty(T, k, dtype=torch.int64, device=device)
+    w = torch.empty(T, k, dtype=torch.float32, device=device)
+    if not T:
+        return idx, w, scores
+    bias = bias_E.float().contiguous()
+    fused = E <= MAX_FUSED_EXPERTS
+    block_e = triton.next_power_of_2(E) if fused else BLOCK_EXPERTS
+    block_d = max(16, min(triton.next_power_of_2(D), 8192 // block_e))  # a [BLOCK_E, BLOCK_D] tile of <= 8K values
+    _router_kernel[(T, triton.cdiv(E, block_e))](
+        x_TD, x_TD.stride(0), weight_ED, scores, bias, idx, w, float(scale), E, D, K=k, BLOCK_E=block_e,
+        BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), RENORM=bool(renorm), SELECT=fused)
+    if not fused:
+        idx, w = route_topk(scores, bias, k, renorm, scale)
+    return idx, w, scores

@@ -1,4 +1,5 @@
-"""The router's selection kernel (openk3/ops/router_topk.py) against `Router.forward`'s eager chain.
+"""The router's kernels (openk3/ops/router_topk.py) against `Router.forward`'s eager chain: the selection from
+given scores, and the whole router from its input (`router_forward`).
 
 On the CPU the kernel runs in Triton's interpreter, in a child pytest started with TRITON_INTERPRET=1 (the
 `test_interpreted_*` tests); skipped without triton (CI has none). The GPU tests run the real kernel.
@@ -12,7 +13,7 @@ from openk3.config import tiny
 from openk3.model.model import Router
 from openk3.ops import router_topk
 from openk3.ops.moe import route
-from openk3.ops.router_topk import route_kernel_applies, route_topk
+from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from tests.helpers import run_interpreted_child
 
 needs_triton = pytest.mark.skipif(router_topk.triton is None, reason="triton is not installed")
@@ -82,11 +83,63 @@ def test_interpreted_router_module_uses_kernel_without_grad_only():
     x = torch.randn(6, cfg.hidden_size)
     idx, w, s = router(x)  # grad on: the eager chain
     assert s.requires_grad and not route_kernel_applies(s, router.k)
+    assert not router_kernel_applies(x, router.weight, router.k)  # the weight wants a gradient
     with torch.no_grad():
-        assert route_kernel_applies(s.detach(), router.k)  # so the comparison below is the kernel's
+        assert router_kernel_applies(x, router.weight, router.k)  # so the comparison below is the kernel's
         idx2, w2, s2 = router(x)
-    assert torch.equal(idx2, idx) and torch.equal(s2, s.detach())
-    torch.testing.assert_close(w2, w.detach(), rtol=4e-7, atol=0)
+    # the kernel's own fp32 dot products and sigmoid: not bit-equal to cuBLAS's and torch's (module docstring)
+    assert torch.equal(idx2, idx)
+    torch.testing.assert_close(s2, s.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(w2, w.detach(), rtol=4e-6, atol=0)
+
+
+def check_router_against_eager(device, T, E, D, k, renorm, scale, dtype=torch.float32, strided=False,
+                               saturate=False):
+    """`router_forward` from x against the eager chain from the matmul (`eager_chain`, fp32 math)."""
+    g = torch.Generator().manual_seed(100 * E + D + T)
+    x = torch.randn(T, 2 * D if strided else D, generator=g)[:, :D]  # strided: rows 2D apart
+    weight = torch.randn(E, D, generator=g) * D ** -0.5 * 3
+    if saturate:  # sigmoid at both ends for token 0: expert 0's score exactly 1.0 in fp32, expert 1's below 1e-30
+        weight[0], weight[1] = x[0].sign() * 40, -x[0].sign() * 40
+    bias = torch.randn(E, generator=g) * 0.1
+    x, weight, bias = x.to(device, dtype), weight.to(device, dtype), bias.to(device)
+    ref_idx, ref_w, ref_s = eager_chain(x.float() @ weight.float().T, bias, k, renorm, scale)
+    assert router_kernel_applies(x, weight, k)
+    idx, w, s = router_forward(x, weight, bias, k, renorm, scale)
+    assert idx.dtype == torch.int64 and w.dtype == s.dtype == torch.float32
+    torch.testing.assert_close(s, ref_s, rtol=2e-6, atol=1e-7)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(w, ref_w, rtol=4e-6, atol=0)
+    if saturate:
+        assert (s[0, 0] == 1.0).item() and s[0, 1].item() < 1e-30
+
+
+# (T, E, D, k, renorm, scale): one kernel for E <= MAX_FUSED_EXPERTS, scores then selection above
+ROUTER_CASES = [(1, 32, 96, 4, True, 1.0), (5, 32, 100, 4, False, 2.5), (3, 300, 64, 8, True, 1.0),
+                (2, 8, 48, 2, True, 0.7)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("T,E,D,k,renorm,scale", ROUTER_CASES)
+def test_interpreted_router_equals_eager_chain(T, E, D, k, renorm, scale):
+    check_router_against_eager("cpu", T, E, D, k, renorm, scale)
+
+
+@interpreted_only
+def test_interpreted_router_bf16_strided_saturated():
+    check_router_against_eager("cpu", 3, 32, 64, 4, True, 1.0, dtype=torch.bfloat16, strided=True)
+    check_router_against_eager("cpu", 2, 32, 64, 4, True, 1.0, saturate=True)
+
+
+def test_router_kernel_applies_only_where_it_can_run():
+    x, weight = torch.randn(4, 64), torch.randn(32, 64)
+    if not INTERPRETED:
+        assert not router_kernel_applies(x, weight, 4)  # the CPU without the interpreter
+    assert not router_kernel_applies(x.double(), weight, 4)
+    assert not router_kernel_applies(x, weight.t().contiguous().t(), 4)  # a non-contiguous weight
+    assert not router_kernel_applies(x, weight[:, :32], 4)  # D does not match
+    assert not router_kernel_applies(x, weight, 33)
+    assert not router_kernel_applies(torch.randn(2 ** 24 // 64 // 32 + 1, 64), weight, 4)  # past MAX_SCORE_MACS
 
 
 def test_applies_only_where_it_can_run():
@@ -109,3 +162,12 @@ def test_gpu_kernel_equals_eager_chain(T, E, k, renorm, scale):
 @pytest.mark.gpu
 def test_gpu_saturated_scores():
     check_against_eager("cuda", 3, 32, 4, True, 1.0, saturate=True)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,D,k", [(1, 32, 1536, 4), (64, 32, 1536, 4), (1, 896, 7168, 16), (16, 896, 7168, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_router_equals_eager_chain(T, E, D, k, dtype):
+    check_router_against_eager("cuda", T, E, D, k, True, 1.0, dtype=dtype)
+    check_router_against_eager("cuda", 2, E, D, k, True, 1.0, dtype=dtype, saturate=True)
