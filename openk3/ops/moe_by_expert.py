@@ -215,8 +215,9 @@ def moe_experts_by_expert(
     warps1, warps2 = warps or WARPS
     if w3_EFD.stride() != w1_EFD.stride():  # one set of strides serves both the gate and the up matrices
         w1_EFD, w3_EFD = w1_EFD.contiguous(), w3_EFD.contiguous()
-    # NOTE: tl.dot on fp32 defaults to TF32 on the GPU (10-bit mantissas); the reference multiplies in full fp32.
-    # And Triton's interpreter (3.9) multiplies bf16 tiles as their raw bits: there the kernels turn them fp32 first
+    # NOTE: tl.dot on fp32 defaults to TF32 on the GPU (10-bit mantissas); the reference multiplies in full fp32
+    # (bf16 and fp16 products are exact in fp32 whatever the flag says). And Triton's interpreter (3.9) multiplies
+    # bf16 tiles as their raw bits: there the kernels turn them fp32 first
     upcast = INTERPRET and x_TD.dtype == torch.bfloat16
     precision = "ieee" if x_TD.dtype == torch.float32 or upcast else "tf32"
     order_S, row_S, offs_E = expert_rows(topk_idx_TK, E)
