@@ -1,17 +1,22 @@
-"""Routed experts at decode sizes on CUDA: the grouped matmul against the Triton GEMV kernels (issue #12).
+"""Routed experts at decode sizes on CUDA: the grouped matmul, the Triton GEMV and by-expert kernels (issue #12).
 
-    python bench/moe_gemv.py                                   # kimi-linear-1.5b experts, T = 1, 4, 16, 64
+    python bench/moe_gemv.py                             # kimi-linear-1.5b experts, T = 1, 4, 16, 64, 256
     python bench/moe_gemv.py --tokens 1 4 --blocks 8,256,8,512 16,128,8,256 --layers 15
+    python bench/moe_gemv.py --tokens 16 64 256 --by-expert-blocks 16,32,128,64,128 32,16,256,32,256,4,4
 
-For each token count T, one MoE layer's routed experts (E experts, top-K, F x D; default kimi-linear-1.5b's
-32 / 4 / 512 x 1536; bf16, the dtype the grouped matmul is one capturable kernel in) with a random router's choice
-(K distinct experts per token) run as `moe_experts_grouped` and as `moe_experts_gemv` (once per `--blocks` tile
-set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of openk3/ops/moe_gemv.py). Each is timed two ways, in microseconds per
-call: eager (launches included) and replayed from a CUDA graph of `--calls` back-to-back calls (as the engine's
-decode step runs them). The table also gives the GEMV's error against the grouped result and the read bandwidth
-over the distinct experts' weights (3 x F x D each), the floor the GEMV aims at. Writes
-bench/results/moe_gemv.json (atomically) with the hardware. The T at which the grouped matmul starts to win
-is what `moe_gemv.GEMV_MAX_SLOTS` (T*K) should be.
+For each token count T (S = T*K slots), one MoE layer's routed experts (E experts, top-K, F x D; default
+kimi-linear-1.5b's 32 / 4 / 512 x 1536; bf16, the dtype the grouped matmul is one capturable kernel in) with a
+random router's choice (K distinct experts per token) run as `moe_experts_grouped`, as
+`moe_experts_grouped_combined` (the grouped matmuls then `combine_slots`: what inference runs above the kernels'
+limits), as `moe_experts_gemv` (once per `--blocks` tile set: BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of
+openk3/ops/moe_gemv.py) and as `moe_experts_by_expert` (once per `--by-expert-blocks` tile set:
+BLOCK_M,BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 of openk3/ops/moe_by_expert.py). Each is timed two ways, in
+microseconds per call: eager (launches included) and replayed from a CUDA graph of `--calls` back-to-back calls
+(as the engine's decode step runs them). The table also gives each path's error against the grouped result and the
+read bandwidth over the distinct experts' weights (3 x F x D each), the floor the kernels aim at, and marks (*)
+the path `openk3.ops.moe_experts` takes at that S. Writes bench/results/moe_gemv.json (atomically) with the
+hardware. Where the GEMV and the by-expert rows cross is what `moe_gemv.GEMV_MAX_SLOTS` should be, where the
+by-expert and the grouped-combined rows cross `moe_by_expert.BY_EXPERT_MAX_SLOTS`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from openk3.ops import moe_gemv  # noqa: E402
 from openk3.ops.moe import moe_experts_grouped  # noqa: E402
-from openk3.ops.moe_gemv import GLUSpec, moe_experts_gemv  # noqa: E402
+from openk3.ops.moe_by_expert import BY_EXPERT_MAX_SLOTS, moe_experts_by_expert  # noqa: E402
+from openk3.ops.moe_gemv import GEMV_MAX_SLOTS, GLUSpec, moe_experts_gemv, moe_experts_grouped_combined  # noqa: E402
 from openk3.ops.situ import situ_glu, swiglu  # noqa: E402
 
 
@@ -41,13 +47,29 @@ def situ(gate, up):
 situ.glu = GLUSpec("situ", 4.0, 25.0)
 
 
-def parse_blocks(text: str) -> tuple[int, ...]:
-    """BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2 and optionally the two kernels' warps: powers of two."""
+def parse_blocks(text: str, tiles: int = 4, flag: str = "--blocks", example: str = "8,256,8,512") -> tuple[int, ...]:
+    """`tiles` tile sizes and optionally the two kernels' warps: powers of two."""
     parts = text.split(",")
-    if len(parts) not in (4, 6) or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"--blocks {text!r}: expected four (or six, with the two kernels' warps) "
-                                         f"powers of two, e.g. 8,256,8,512 or 8,256,8,512,4,4")
+    if (len(parts) not in (tiles, tiles + 2)
+            or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts)):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected {tiles} (or {tiles + 2}, with the two kernels' "
+                                         f"warps) powers of two, e.g. {example} or {example},4,4")
     return tuple(int(p) for p in parts)
+
+
+def parse_by_expert_blocks(text: str) -> tuple[int, ...]:
+    """BLOCK_M,BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2[,WARPS1,WARPS2]; tl.dot needs every tile to be 16 or more."""
+    blocks = parse_blocks(text, 5, "--by-expert-blocks", "16,32,128,64,128")
+    if min(blocks[:5]) < 16:
+        raise argparse.ArgumentTypeError(f"--by-expert-blocks {text!r}: every tile must be 16 or more (tl.dot)")
+    return blocks
+
+
+def dispatched(slots: int) -> str:
+    """The path label `openk3.ops.moe_experts` takes at this many slots (no grad, the model's activation)."""
+    if slots <= GEMV_MAX_SLOTS:
+        return "gemv"
+    return "by-expert" if slots <= BY_EXPERT_MAX_SLOTS else "grouped+combine"
 
 
 def time_eager(fn, calls: int, repeats: int) -> float:
@@ -106,7 +128,7 @@ def write_json(path: Path, data: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--inter", type=int, default=512, help="F, the experts' intermediate size")
@@ -114,6 +136,9 @@ def main() -> None:
     p.add_argument("--act", choices=["swiglu", "situ"], default="swiglu", help="kimi-linear: swiglu, K3: situ")
     p.add_argument("--blocks", type=parse_blocks, nargs="+", default=[None],
                    help="GEMV tile sets BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2[,WARPS1,WARPS2] (default: the module's)")
+    p.add_argument("--by-expert-blocks", type=parse_by_expert_blocks, nargs="+", default=[None],
+                   help="by-expert tile sets BLOCK_M,BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2[,WARPS1,WARPS2] "
+                        "(default: the module's, BLOCK_M from S / E)")
     p.add_argument("--calls", type=int, default=20, help="calls per timing (and per captured graph)")
     p.add_argument("--layers", type=int, default=1,
                    help="copies of the weights the calls cycle over (15: kimi-linear-1.5b's MoE layers, which "
@@ -141,8 +166,9 @@ def main() -> None:
 
     rows = []
     print(f"{hardware()['gpu']}: E={E} K={K} F={F} D={D} bf16 {args.act}, us per call (best of "
-          f"{args.repeats} x {args.calls} calls)")
-    print(f"{'T':>4} {'path':<28} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'rel err':>9}")
+          f"{args.repeats} x {args.calls} calls); * = the path openk3.ops.moe_experts takes (GEMV up to "
+          f"S = {GEMV_MAX_SLOTS}, by-expert up to S = {BY_EXPERT_MAX_SLOTS}, then grouped+combine)")
+    print(f"{'T':>4} {'S':>5} {'path':<30} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'rel err':>9}")
     with torch.no_grad():
         for T in args.tokens:
             x, idx, w, w1, w2, w3 = inputs(T, E, K, F, D, dtype, seed=T)
@@ -156,23 +182,36 @@ def main() -> None:
 
             def cycled(run):
                 return lambda: run(*weights[next(turn) % len(weights)])
-            paths = [("grouped", cycled(lambda a, b, c: moe_experts_grouped(x, idx, w, a, b, c, act)), None)]
+            paths = [("grouped", cycled(lambda a, b, c: moe_experts_grouped(x, idx, w, a, b, c, act)), None),
+                     ("grouped+combine", cycled(lambda a, b, c: moe_experts_grouped_combined(x, idx, w, a, b, c, act)),
+                      None)]
             for blocks in args.blocks:
                 label = "gemv " + ",".join(map(str, blocks or default_blocks))
                 tiles, warps = (blocks[:4], blocks[4:] or None) if blocks else (None, None)
                 paths.append((label, cycled(lambda a, b, c, t=tiles, n=warps: moe_experts_gemv(
                     x, idx, w, a, b, c, act, blocks=t, warps=n)), blocks))
+            for blocks in args.by_expert_blocks:
+                label = "by-expert " + (",".join(map(str, blocks)) if blocks else "default")
+                tiles, warps = (blocks[:5], blocks[5:] or None) if blocks else (None, None)
+                paths.append((label, cycled(lambda a, b, c, t=tiles, n=warps: moe_experts_by_expert(
+                    x, idx, w, a, b, c, act, blocks=t, warps=n)), blocks))
+            taken = dispatched(T * K)
             for label, fn, blocks in paths:
                 y = fn()
                 err = ((y.double() - y_grouped.double()).norm() / y_grouped.double().norm()).item()
                 eager = time_eager(fn, args.calls, args.repeats)
                 graph = time_graph(fn, args.calls, args.repeats)
                 gbs = weight_bytes / (graph * 1e-6) / 1e9
+                # the module's own tiles of the path moe_experts takes here
+                is_taken = label.split(" ")[0] == taken and blocks is None
                 rows.append({"T": T, "slots": T * K, "path": label, "eager_us": eager, "graph_us": graph,
-                             "distinct_experts": distinct, "weight_GBps": gbs, "rel_err_vs_grouped": err})
-                print(f"{T:>4} {label:<28} {eager:>9.1f} {graph:>9.1f} {gbs:>7.0f} {err:>9.2e}")
+                             "distinct_experts": distinct, "weight_GBps": gbs, "rel_err_vs_grouped": err,
+                             "moe_experts_takes": is_taken})
+                print(f"{T:>4} {T * K:>5} {label + (' *' if is_taken else ''):<30} {eager:>9.1f} {graph:>9.1f} "
+                      f"{gbs:>7.0f} {err:>9.2e}")
     write_json(args.out, {"hardware": hardware(), "args": {k: str(v) for k, v in vars(args).items()},
-                          "gemv_max_slots": moe_gemv.GEMV_MAX_SLOTS, "rows": rows})
+                          "gemv_max_slots": GEMV_MAX_SLOTS, "by_expert_max_slots": BY_EXPERT_MAX_SLOTS,
+                          "rows": rows})
     print(f"wrote {args.out}")
 
 

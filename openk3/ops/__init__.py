@@ -6,11 +6,12 @@ reason that `openk3 info --backends` prints; call sites never try/except.
 - MoE experts: `torch._grouped_mm` when it runs on the device and dtype, else the per-expert loop
   (env OPENK3_MOE_BACKEND=grouped|loop overrides; asking for `grouped` where it cannot run is an error).
   On top of either, decode-sized forwards (T*K <= moe_gemv.GEMV_MAX_SLOTS slots, no grad) run the Triton GEMV
-  kernels of moe_gemv.py where they run (CUDA with triton installed), and the grouped backend's other forwards
-  without grad end in moe_gemv's `combine_slots` kernel; env OPENK3_MOE_GEMV=0 turns both off (the old path, for
-  comparison), =1 makes it an error when they cannot run. At the call (`moe_experts`) three tests remain: that
-  size test, whether a gradient is needed, and, inside torch.compile, whether a non-bf16 grouped matmul must run
-  outside the graph.
+  kernels of moe_gemv.py where they run (CUDA with triton installed), forwards of up to
+  moe_by_expert.BY_EXPERT_MAX_SLOTS slots its by-expert kernels (moe_by_expert.py), and the grouped backend's other
+  forwards without grad end in moe_gemv's `combine_slots` kernel; env OPENK3_MOE_GEMV=0 turns all three off (the
+  old path, for comparison), =1 makes it an error when they cannot run. At the call (`moe_experts`) three tests
+  remain: those size tests, whether a gradient is needed, and, inside torch.compile, whether a non-bf16 grouped
+  matmul must run outside the graph.
 - CUDA graphs: `graph_capture`, torch.cuda.graph with Python's cyclic garbage collector paused (why: its docstring).
 """
 
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from openk3.ops.kda import KDABackend, select_kda_backend
 from openk3.ops.moe import grouped_mm_supported, moe_experts_grouped, moe_experts_loop
+from openk3.ops.moe_by_expert import BY_EXPERT_MAX_SLOTS, by_expert_applies, moe_experts_by_expert
 from openk3.ops.moe_gemv import gemv_applies, gemv_supported, moe_experts_gemv, moe_experts_grouped_combined, needs_grad
 
 __all__ = ["KDABackend", "MoEBackend", "forget_moe_backends", "graph_capture", "moe_experts", "select_kda_backend",
@@ -53,13 +55,14 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool=None):
 
 @dataclass(frozen=True)
 class MoEBackend:
-    """`fn` runs every call but the decode-sized ones that `small` (None = none) takes and, where `inference` is
-    not None, those that need no gradient: see `moe_experts`."""
+    """`fn` runs every call but the decode-sized ones that `small` (None = none) takes, the somewhat larger ones that
+    `by_expert` takes and, where `inference` is not None, those that need no gradient: see `moe_experts`."""
 
     name: str
     reason: str
     fn: object
     small: object = None
+    by_expert: object = None
     inference: object = None
 
 
@@ -104,24 +107,29 @@ def _select(device_type: str, dtype: torch.dtype, requested: str | None, gemv_re
         return MoEBackend(name, f"{reason}; {GEMV_ENV}=0: no GEMV path", fn)
     if gemv_requested == "1" and not gemv_ok:
         raise RuntimeError(f"{GEMV_ENV}=1 but the GEMV kernels cannot run here: {gemv_why}")
+    by_expert_why = f"calls of up to {BY_EXPERT_MAX_SLOTS} slots without grad run the by-expert Triton kernels"
     if gemv_ok and fn is moe_experts_grouped:
-        return MoEBackend(name, f"{reason}; {gemv_why}; other calls without grad sum the expert outputs back to "
-                                "their tokens in one Triton kernel", fn, small=moe_experts_gemv,
-                          inference=moe_experts_grouped_combined)
+        return MoEBackend(name, f"{reason}; {gemv_why}; {by_expert_why}; other calls without grad sum the expert "
+                                "outputs back to their tokens in one Triton kernel", fn, small=moe_experts_gemv,
+                          by_expert=moe_experts_by_expert, inference=moe_experts_grouped_combined)
     if gemv_ok:
-        return MoEBackend(name, f"{reason}; {gemv_why}", fn, small=moe_experts_gemv)
+        return MoEBackend(name, f"{reason}; {gemv_why}; {by_expert_why}", fn, small=moe_experts_gemv,
+                          by_expert=moe_experts_by_expert)
     return MoEBackend(name, f"{reason}; no GEMV path: {gemv_why}", fn)
 
 
 def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
                 w3_EFD: Tensor, act, weight_fn=None) -> Tensor:
     """Routed experts through the backend chosen for this device and dtype (see `select_moe_backend`); a
-    decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them, another forward
-    without grad through `backend.inference` where there is one."""
+    decode-sized forward (`moe_gemv.gemv_applies`) through its GEMV kernels where it has them, a somewhat larger one
+    (`moe_by_expert.by_expert_applies`) through its by-expert kernels, another forward without grad through
+    `backend.inference` where there is one."""
     backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
     args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
     if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
         return backend.small(*args)
+    if backend.by_expert is not None and by_expert_applies(*args, weight_fn=weight_fn):
+        return backend.by_expert(*args)
     if backend.fn is moe_experts_grouped and x_TD.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # NOTE: torch.compile traces torch._grouped_mm in bf16 only (ops/moe.py); a compiled fp32 model (the CPU's,
         # train/compile.py) runs the same grouped kernel outside the graph (a graph break), not a different backend

@@ -126,8 +126,34 @@ def gemv_applies(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: T
                  w3_EFD: Tensor, act: Activation, weight_fn: WeightFn | None = None) -> bool:
     """The per-call test (same arguments as the expert functions): a decode-sized forward the kernels can run.
     Only shapes and flags are read, never values, so it does not sync and is fixed for a captured graph."""
-    return (topk_idx_TK.numel() <= GEMV_MAX_SLOTS and weight_fn is None and glu_spec(act) is not None
-            and not needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD))
+    return topk_idx_TK.numel() <= GEMV_MAX_SLOTS and kernels_apply(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act,
+                                                                   weight_fn)
+
+
+def kernels_apply(x_TD: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor, act: Activation,
+                  weight_fn: WeightFn | None) -> bool:
+    """What every forward-only kernel path here and in moe_by_expert.py asks of a call, apart from its size: no
+    weight_fn, an activation the kernels know, no input that needs a gradient."""
+    return weight_fn is None and glu_spec(act) is not None and not needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
+
+
+def check_kernel_call(name: str, x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor,
+                      w2_EDF: Tensor, w3_EFD: Tensor, act: Activation, weight_fn: WeightFn | None) -> GLUSpec:
+    """The checks of a call to the kernels that compute the activation themselves (here and moe_by_expert.py),
+    `name` their function: ValueError where they cannot run (gemv_supported), for an activation they do not know, a
+    weight_fn, or inputs that need a gradient. Returns the activation's GLUSpec."""
+    _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
+    ok, reason = gemv_supported(x_TD.device, x_TD.dtype)
+    if not ok:
+        raise ValueError(f"{name} cannot run here: {reason}; use moe_experts_grouped or moe_experts_loop")
+    spec = glu_spec(act)
+    if spec is None:
+        raise ValueError(f"{name} does not know the activation {act!r}: give it a `glu` GLUSpec attribute")
+    if weight_fn is not None:
+        raise ValueError(f"{name} takes no weight_fn (got {weight_fn!r}); use moe_experts_grouped")
+    if needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
+        raise ValueError(f"{name} is forward only, but an input requires grad; use moe_experts_grouped")
+    return spec
 
 
 if triton is not None:
@@ -142,6 +168,19 @@ if triton is not None:
         e = tl.exp(-2.0 * a)
         t = (1.0 - e) / (1.0 + e)
         return tl.where(a < 0.125, series, tl.where(x < 0, -t, t))
+
+    @triton.jit
+    def glu_rounded(gate, up, dtype: tl.constexpr, SITU: tl.constexpr, beta, linear_beta):
+        """act(gate, up) of fp32 dot products, in `dtype`: the reference's matmul outputs are in x's dtype, so gate
+        and up are rounded to it first, then the activation runs in fp32 (situ.py) and is rounded again. Shared with
+        the by-expert kernels (moe_by_expert.py): one copy of the activation's math."""
+        g = gate.to(dtype).to(tl.float32)
+        u = up.to(dtype).to(tl.float32)
+        if SITU:
+            h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+        else:
+            h = g * tl.sigmoid(g) * u
+        return h.to(dtype)
 
     @triton.jit
     def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, E, F: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
@@ -172,15 +211,8 @@ if triton is not None:
             w3 = tl.load(w3_ptr + w_at, mask=mask, other=0.0).to(tl.float32)
             gate += tl.sum(w1 * x[None, :], axis=1)
             up += tl.sum(w3 * x[None, :], axis=1)
-        # the reference's matmul outputs are in x's dtype: round, then the activation in fp32 (situ.py)
-        dtype = h_ptr.dtype.element_ty
-        g = gate.to(dtype).to(tl.float32)
-        u = up.to(dtype).to(tl.float32)
-        if SITU:
-            h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
-        else:
-            h = g * tl.sigmoid(g) * u
-        tl.store(h_ptr + s * F + f, h.to(dtype), mask=f_mask)
+        h = glu_rounded(gate, up, h_ptr.dtype.element_ty, SITU, beta, linear_beta)
+        tl.store(h_ptr + s * F + f, h, mask=f_mask)
 
     @triton.jit
     def _down_kernel(h_ptr, idx_ptr, topk_w_ptr, w2_ptr, y_ptr, E, F: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
@@ -231,17 +263,24 @@ def combine_slots(out_SD: Tensor, order_S: Tensor, topk_w_TK: Tensor, block_d: i
     H200 the zeros + product + index_add + cast it replaces took ~4.6 ms a MoE layer (docs/engine.md).
     Forward only. block_d: elements of D a program sums (a power of two; None = BLOCK_COMBINE)."""
     T, K = topk_w_TK.shape
-    D = out_SD.shape[1]
     if out_SD.shape[0] != T * K or order_S.shape != (T * K,):
         raise ValueError(f"combine_slots: out_SD {tuple(out_SD.shape)} and order_S {tuple(order_S.shape)} must both "
                          f"have T*K = {T * K} rows (topk_w {tuple(topk_w_TK.shape)})")
+    # the row of each slot: the inverse of order_S
+    row_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(T * K, device=order_S.device))
+    return combine_rows(out_SD, row_S, topk_w_TK, block_d)
+
+
+def combine_rows(out_SD: Tensor, row_S: Tensor, topk_w_TK: Tensor, block_d: int | None = None) -> Tensor:
+    """`combine_slots` given the row of out_SD of each slot, row_S [S] (the inverse of its order_S), where the caller
+    has it already (moe_by_expert.py's ordering kernel writes both)."""
+    T, K = topk_w_TK.shape
+    D = out_SD.shape[1]
     y_TD = torch.empty((T, D), dtype=out_SD.dtype, device=out_SD.device)
     if T * K == 0:
         return y_TD.zero_()
     if out_SD.stride(1) != 1:
         out_SD = out_SD.contiguous()
-    # the row of each slot: the inverse of order_S
-    row_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(T * K, device=order_S.device))
     block = block_d or min(BLOCK_COMBINE, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block))](out_SD, row_S, topk_w_TK.contiguous(), y_TD, D, K, out_SD.stride(0),
                                                 BLOCK_D=block)
@@ -293,17 +332,8 @@ def moe_experts_gemv(
     Raises ValueError where the kernels cannot run (gemv_supported), for an activation they do not know, a
     weight_fn, or inputs that need a gradient (nothing here is differentiable).
     """
-    _check_inputs(x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD)
-    ok, reason = gemv_supported(x_TD.device, x_TD.dtype)
-    if not ok:
-        raise ValueError(f"moe_experts_gemv cannot run here: {reason}; use moe_experts_grouped or moe_experts_loop")
-    spec = glu_spec(act)
-    if spec is None:
-        raise ValueError(f"moe_experts_gemv does not know the activation {act!r}: give it a `glu` GLUSpec attribute")
-    if weight_fn is not None:
-        raise ValueError(f"moe_experts_gemv takes no weight_fn (got {weight_fn!r}); use moe_experts_grouped")
-    if needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
-        raise ValueError("moe_experts_gemv is forward only, but an input requires grad; use moe_experts_grouped")
+    spec = check_kernel_call("moe_experts_gemv", x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act,
+                             weight_fn)
     T, D = x_TD.shape
     E, F, _ = w1_EFD.shape
     block_f, block_d1, block_d, block_f2 = blocks or (BLOCK_F, min(BLOCK_D1, triton.next_power_of_2(D)), BLOCK_D,

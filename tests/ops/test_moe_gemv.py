@@ -17,6 +17,7 @@ from openk3.model import K3ForCausalLM
 from openk3.model.model import glu_activation
 from openk3.ops import moe_gemv
 from openk3.ops.moe import grouped_expert_outputs, moe_experts_grouped, moe_experts_loop
+from openk3.ops.moe_by_expert import BY_EXPERT_MAX_SLOTS
 from openk3.ops.moe_gemv import GEMV_MAX_SLOTS, GLUSpec, gemv_applies, glu_spec
 from openk3.ops.mxfp import fake_quant_mxfp4
 from openk3.ops.situ import situ_glu, swiglu
@@ -211,23 +212,23 @@ def test_interpreted_combine_slots_reads_every_row_once():
 
 @interpreted_only
 def test_interpreted_moe_experts_combines_forwards_without_grad(monkeypatch, fresh_backend_choice):
-    """Past GEMV_MAX_SLOTS a forward without grad runs the grouped matmuls and `combine_slots`; with grad, or with
-    OPENK3_MOE_GEMV=0, the grouped path's index_add, which the backward needs."""
+    """Past BY_EXPERT_MAX_SLOTS (and below it with a weight_fn) a forward without grad runs the grouped matmuls and
+    `combine_slots`; with grad, or with OPENK3_MOE_GEMV=0, the grouped path's index_add, which the backward needs."""
     monkeypatch.delenv("OPENK3_MOE_GEMV", raising=False)
     backend = ops.select_moe_backend("cpu", torch.float32)
     assert backend.inference is moe_gemv.moe_experts_grouped_combined and "one Triton kernel" in backend.reason
     calls = []
     real = moe_gemv.combine_slots
     monkeypatch.setattr(moe_gemv, "combine_slots", lambda *a: calls.append(a[0].shape) or real(*a))
-    inputs = random_moe(GEMV_MAX_SLOTS // 2 + 3, 16, 8, 5, 2, torch.float32, seed=4)
+    inputs = random_moe(BY_EXPERT_MAX_SLOTS // 2 + 3, 16, 8, 5, 2, torch.float32, seed=4)
     with torch.no_grad():
         y = ops.moe_experts(*inputs, swiglu)
-    assert calls == [(GEMV_MAX_SLOTS + 6, 16)]
+    assert calls == [(BY_EXPERT_MAX_SLOTS + 6, 16)]
     x = inputs[0].clone().requires_grad_()
     y_grad = ops.moe_experts(x, *inputs[1:], swiglu)
     y_grad.sum().backward()
     assert len(calls) == 1 and x.grad is not None and rel_norm_err(y, y_grad.detach()) < 1e-6
-    qat = random_moe(GEMV_MAX_SLOTS // 2 + 3, 64, 32, 5, 2, torch.float32, seed=5)  # MX blocks of 32 along D and F
+    qat = random_moe(BY_EXPERT_MAX_SLOTS // 2 + 3, 64, 32, 5, 2, torch.float32, seed=5)  # MX blocks of 32 along D and F
     with torch.no_grad():  # QAT's fake quantisation reaches the combined path too, and is applied there
         y_qat = ops.moe_experts(*qat, swiglu, weight_fn=fake_quant_mxfp4)
         y_plain = ops.moe_experts(*qat, swiglu)
@@ -238,15 +239,21 @@ def test_interpreted_moe_experts_combines_forwards_without_grad(monkeypatch, fre
     assert ops.select_moe_backend("cpu", torch.float32).inference is None
 
 
-def compile_for_sm90(kernel, types: dict, constexprs: dict):
-    """Compile a kernel of moe_gemv for an H100/H200 (sm_90) without a GPU; returns its resource usage line."""
+def compile_for_sm90(kernel, types: dict, constexprs: dict, divisible: tuple[str, ...] = (), ttgir: list | None = None):
+    """Compile a Triton kernel for an H100/H200 (sm_90) without a GPU; returns its resource usage line.
+    divisible: the integer arguments to mark multiples of 16, with every pointer, as a launch marks them (a unit
+    stride, which a launch specialises to 1, goes in constexprs); ttgir: a list the kernel's TTGIR is appended to."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    compiled = moe_gemv.triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in divisible or (divisible and n not in constexprs and signature[n].startswith("*"))}
+    compiled = moe_gemv.triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                                        target=GPUTarget("cuda", 90, 32))
+    if ttgir is not None:
+        ttgir.append(compiled.asm["ttgir"])
     cubin = compiled.asm["cubin"]
     tool = Path(moe_gemv.triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -1,0 +1,233 @@
+"""Routed experts for small batches: each expert's weights read once for all its token slots (issue #12).
+
+Between decode at batch 1-16 (the GEMV kernels of moe_gemv.py, where every token slot reads its own expert: at
+S = 64 slots that is ~64 expert copies) and prefill (the grouped matmuls) lies decode at batch 16-256 and small
+prefill chunks. There the grouped path at inference (`moe_experts_grouped_combined`) ran, on one H200 at
+kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (S = 256): three
+`torch._grouped_mm` reading the experts at ~2 TB/s (~73 us a layer for 151 MB) plus ~30 us of small ops
+(`expert_order`'s 9, the gather of x's rows, each matmul's prepare kernel, the activation, the scatter before
+`combine_slots`). Here it is four launches, grids from static shapes only (E, F, D, S):
+
+- ordering, grid (S + E) / BLOCK_ORDER: the stable sort of the slots by expert, by counting: the row of slot s is
+  the number of slots j with (e_j, j) < (e_s, s), and the end row of expert e the number with e_j <= e. Writes
+  order_S (row -> slot), row_S (slot -> row) and offs_E (end rows). O(S^2) comparisons, nothing at these sizes
+  (S = 1024: a million, spread over 17 programs). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
+- kernel 1 (gate/up), grid (E, F tiles): program (e, f) walks expert e's rows in chunks of BLOCK_M (a loop whose
+  bound is read from offs_E: a group larger than BLOCK_M loops, an empty one exits), gathers the x rows of their
+  tokens (slot // K), computes gate and up tiles with tl.dot over D in fp32, and `glu_rounded` (moe_gemv.py: the
+  GEMV kernel's activation and roundings) stores h [S, F] in x's dtype, one row per slot in expert order.
+- kernel 2 (down), grid (E, D tiles): out[row, d] = h[row, :] . w2[e, d, :] in fp32, rounded to x's dtype.
+- `combine_rows` (moe_gemv.py): y[t] = sum_k topk_w[t, k] * out[row of slot t*K + k] in fp32, k in order, cast.
+
+So every expert's weights are read once per layer (a program's F or D tile of them; a second chunk of BLOCK_M rows
+re-reads its tile from L2), at the precision of openk3/ops/moe.py's docstring: `moe_experts_by_expert` has
+`moe_experts_loop`'s signature and result (tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no
+data-dependent shapes, so it can be captured in the decode step's CUDA graph. `openk3.ops.moe_experts` sends a
+call here when `by_expert_applies` and the GEMV kernels do not take it.
+
+NOTE: not yet measured on a GPU: the crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) and the tiles
+are first guesses, for bench/moe_gemv.py to settle on an H200. Triton's interpreter (TRITON_INTERPRET=1) runs
+the kernels on CPU tensors, as for moe_gemv.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from openk3.ops.moe import Activation, WeightFn
+from openk3.ops.moe_gemv import INTERPRET, check_kernel_call, combine_rows, kernels_apply, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from openk3.ops.moe_gemv import glu_rounded
+
+# NOTE: not yet measured on the GPU. The largest S = T*K sent here (GEMV_MAX_SLOTS and below go to the GEMV kernels
+# first). Above it the grouped matmuls, whose CUTLASS kernels should win once every expert has many rows; 1024 is
+# the largest S bench/moe_gemv.py times by default (batch 256 at K = 4).
+BY_EXPERT_MAX_SLOTS = 1024
+
+# Tile sizes (powers of two, tl.dot needs 16 or more; a tile is capped at its dimension rounded up to a power of
+# two). NOTE: first guesses, not measured: E x F / BLOCK_F = 512 programs in kernel 1 and E x D / BLOCK_D = 768 in
+# kernel 2 at kimi-linear-1.5b's shapes.
+BLOCK_F, BLOCK_D1 = 32, 128  # kernel 1: F rows of w1/w3 x D per step
+BLOCK_D, BLOCK_F2 = 64, 128  # kernel 2: D rows of w2 x F per step
+WARPS = (4, 4)
+# Rows (token slots) of an expert a program multiplies at once: the mean group S / E rounded up to a power of two,
+# within these bounds (16: tl.dot's least; 64: two accumulators of 64 x 32 fp32 stay in registers). From static
+# shapes only, so a captured graph keeps it.
+BLOCK_M_MIN, BLOCK_M_MAX = 16, 64
+BLOCK_ORDER = 64  # the ordering kernel: queries (slots or experts) per program x slots compared per step
+
+
+def by_expert_applies(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+                      w3_EFD: Tensor, act: Activation, weight_fn: WeightFn | None = None) -> bool:
+    """The per-call test (same arguments as the expert functions): a forward of at most BY_EXPERT_MAX_SLOTS slots
+    the kernels can run. Reads only shapes and flags, so it does not sync and is fixed for a captured graph."""
+    return topk_idx_TK.numel() <= BY_EXPERT_MAX_SLOTS and kernels_apply(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD,
+                                                                        act, weight_fn)
+
+
+def block_m(S: int, E: int) -> int:
+    """Rows per chunk for S slots over E experts (BLOCK_M_MIN, BLOCK_M_MAX)."""
+    return min(BLOCK_M_MAX, max(BLOCK_M_MIN, triton.next_power_of_2(triton.cdiv(S, E))))
+
+
+if triton is not None:
+    @triton.jit
+    def _order_kernel(idx_ptr, order_ptr, row_ptr, offs_ptr, S, E, BLOCK: tl.constexpr):
+        """Queries q < S are slots: row[q] = #{j : (e_j, j) < (e_q, q)}, order[row[q]] = q. Queries S + e are
+        experts: offs[e] = #{j : e_j <= e}. Both counts of one comparison, key_j < key_q with key = e * S + slot:
+        an expert's key is (e + 1) * S."""
+        q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        is_slot = q < S
+        e_q = tl.minimum(tl.maximum(tl.load(idx_ptr + q, mask=is_slot, other=0).to(tl.int64), 0), E - 1)
+        key_q = tl.where(is_slot, e_q * S + q, (q - S + 1).to(tl.int64) * S)
+        count = tl.zeros((BLOCK,), dtype=tl.int32)
+        for j0 in range(0, S, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            j_mask = j < S
+            e_j = tl.minimum(tl.maximum(tl.load(idx_ptr + j, mask=j_mask, other=0).to(tl.int64), 0), E - 1)
+            before = (e_j * S + j)[None, :] < key_q[:, None]
+            count += tl.sum((before & j_mask[None, :]).to(tl.int32), axis=1)
+        tl.store(row_ptr + q, count, mask=is_slot)
+        tl.store(order_ptr + count, q, mask=is_slot)
+        tl.store(offs_ptr + (q - S), count, mask=(q >= S) & (q < S + E))
+
+    @triton.jit
+    def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + a @ b in fp32. UPCAST: the operands turned fp32 first (exact for bf16), for the interpreter only."""
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _group(offs_ptr, e):
+        """Expert e's rows: start, end (offs holds every group's end)."""
+        return tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w1_ptr, w3_ptr, h_ptr, F: tl.constexpr, D: tl.constexpr,
+                        K: tl.constexpr, stride_xt, stride_xd, stride_we, stride_wf, stride_wd,
+                        SITU: tl.constexpr, beta, linear_beta, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+        """h[r, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for every row r of expert e, t its token.
+        F, D, K compile-time constants as in moe_gemv.py's kernels (one compile per layer shape)."""
+        e = tl.program_id(0)
+        f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_mask = f < F
+        start, end = _group(offs_ptr, e)
+        # int64: e * E*F*D overflows int32 at the release's sizes
+        w_cols = e.to(tl.int64) * stride_we + f[None, :].to(tl.int64) * stride_wf  # [1, BLOCK_F]: w1[e].T's columns
+        dtype = h_ptr.dtype.element_ty
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            m_mask = rows < end
+            token = (tl.load(order_ptr + rows, mask=m_mask, other=0) // K).to(tl.int64)
+            gate = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                d_mask = d < D
+                x = tl.load(x_ptr + token[:, None] * stride_xt + d[None, :] * stride_xd,
+                            mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+                w_at = w_cols + d[:, None] * stride_wd  # [BLOCK_D, BLOCK_F]
+                w_mask = d_mask[:, None] & f_mask[None, :]
+                gate = _dot(x, tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), gate, PRECISION, UPCAST)
+                up = _dot(x, tl.load(w3_ptr + w_at, mask=w_mask, other=0.0), up, PRECISION, UPCAST)
+            h = glu_rounded(gate, up, dtype, SITU, beta, linear_beta)
+            tl.store(h_ptr + rows[:, None].to(tl.int64) * F + f[None, :], h, mask=m_mask[:, None] & f_mask[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, offs_ptr, w2_ptr, out_ptr, F: tl.constexpr, D: tl.constexpr,
+                     stride_we, stride_wd, stride_wf, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+        """out[r, d] = round(h[r] . w2[e, d]) for every row r of expert e: the expert's output in x's dtype."""
+        e = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = d < D
+        start, end = _group(offs_ptr, e)
+        w_cols = e.to(tl.int64) * stride_we + d[None, :].to(tl.int64) * stride_wd  # [1, BLOCK_D]: w2[e].T's columns
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            m_mask = rows < end
+            h_rows = rows[:, None].to(tl.int64) * F
+            out = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+            for f0 in range(0, F, BLOCK_F):
+                f = f0 + tl.arange(0, BLOCK_F)
+                f_mask = f < F
+                h = tl.load(h_ptr + h_rows + f[None, :], mask=m_mask[:, None] & f_mask[None, :], other=0.0)
+                w2 = tl.load(w2_ptr + w_cols + f[:, None] * stride_wf, mask=f_mask[:, None] & d_mask[None, :],
+                             other=0.0)
+                out = _dot(h, w2, out, PRECISION, UPCAST)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & d_mask[None, :])
+
+
+def expert_rows(topk_idx_TK: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The slots t*K + k of topk_idx_TK [T, K] in expert order, by the ordering kernel: order_S [S] (the slot of
+    each row: a stable sort by expert, as `moe.expert_order`), row_S [S] (the row of each slot) and offs_E [E]
+    (each expert's end row), all int32. Ids are clamped to 0..E-1 (expert_order leaves them as they are)."""
+    idx_S = topk_idx_TK.contiguous().view(-1)
+    S = idx_S.shape[0]
+    order_S = torch.empty(S, dtype=torch.int32, device=idx_S.device)
+    row_S = torch.empty_like(order_S)
+    offs_E = torch.empty(E, dtype=torch.int32, device=idx_S.device)
+    _order_kernel[(triton.cdiv(S + E, BLOCK_ORDER),)](idx_S, order_S, row_S, offs_E, S, E, BLOCK=BLOCK_ORDER)
+    return order_S, row_S, offs_E
+
+
+def moe_experts_by_expert(
+    x_TD: Tensor,
+    topk_idx_TK: Tensor,
+    topk_w_TK: Tensor,
+    w1_EFD: Tensor,
+    w2_EDF: Tensor,
+    w3_EFD: Tensor,
+    act: Activation,
+    weight_fn: WeightFn | None = None,
+    blocks: tuple[int, int, int, int, int] | None = None,
+    warps: tuple[int, int] | None = None,
+) -> Tensor:
+    """Same as moe_experts_loop (forward only), with the kernels of the module docstring.
+
+    x_TD: [T, D]. topk_idx_TK: [T, K]. topk_w_TK: [T, K]. w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
+    act: a callable `moe_gemv.glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
+    blocks: (BLOCK_M, BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two, at least 16), warps: the
+    warps of a program of kernel 1, kernel 2; for the bench and the tests; None = the module's (`block_m`, BLOCK_*,
+    WARPS). Raises ValueError as moe_experts_gemv (`moe_gemv.check_kernel_call`).
+    """
+    spec = check_kernel_call("moe_experts_by_expert", x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act,
+                             weight_fn)
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    K = topk_idx_TK.shape[1]
+    S = T * K
+    if S == 0:
+        return torch.zeros((T, D), dtype=x_TD.dtype, device=x_TD.device)
+
+    def cap(block: int, n: int) -> int:
+        return min(block, max(16, triton.next_power_of_2(n)))
+    block_rows, block_f, block_d1, block_d, block_f2 = blocks or (
+        block_m(S, E), cap(BLOCK_F, F), cap(BLOCK_D1, D), cap(BLOCK_D, D), cap(BLOCK_F2, F))
+    warps1, warps2 = warps or WARPS
+    if w3_EFD.stride() != w1_EFD.stride():  # one set of strides serves both the gate and the up matrices
+        w1_EFD, w3_EFD = w1_EFD.contiguous(), w3_EFD.contiguous()
+    # NOTE: tl.dot on fp32 defaults to TF32 on the GPU (10-bit mantissas); the reference multiplies in full fp32
+    # (bf16 and fp16 products are exact in fp32 whatever the flag says). And Triton's interpreter (3.9) multiplies
+    # bf16 tiles as their raw bits: there the kernels turn them fp32 first
+    upcast = INTERPRET and x_TD.dtype == torch.bfloat16
+    precision = "ieee" if x_TD.dtype == torch.float32 or upcast else "tf32"
+    order_S, row_S, offs_E = expert_rows(topk_idx_TK, E)
+    h_SF = torch.empty((S, F), dtype=x_TD.dtype, device=x_TD.device)
+    out_SD = torch.empty((S, D), dtype=x_TD.dtype, device=x_TD.device)
+    _gate_up_kernel[(E, triton.cdiv(F, block_f))](
+        x_TD, order_S, offs_E, w1_EFD, w3_EFD, h_SF, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
+        SITU=spec.kind == "situ", beta=float(spec.beta), linear_beta=float(spec.linear_beta), PRECISION=precision,
+        UPCAST=upcast, BLOCK_M=block_rows, BLOCK_F=block_f, BLOCK_D=block_d1, num_warps=warps1)
+    _down_kernel[(E, triton.cdiv(D, block_d))](
+        h_SF, offs_E, w2_EDF, out_SD, F, D, *w2_EDF.stride(), PRECISION=precision, UPCAST=upcast,
+        BLOCK_M=block_rows, BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2)
+    return combine_rows(out_SD, row_S, topk_w_TK)
