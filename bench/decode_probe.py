@@ -27,6 +27,9 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                module) of B rows, grouped by the module that launched them (each layer's mixer, router, experts,
                shared experts, dense MLP, norms; the rest as "step"): count and device us a step, and each group's
                kernel names in order, written to <out>/modules_b<B>.json
+  linear       cuBLAS's F.linear against openk3/ops/gemv.py's kernel at kimi-linear-1.5b's decode shapes, 1 / 2 / 4
+               rows, each timed as a CUDA graph of 20 calls over 20 weights (one a call): us a call and the weight
+               bytes read a second
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -217,6 +220,49 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
                                        for k in order}}
 
 
+def part_linear() -> dict:
+    import torch.nn.functional as F
+
+    from openk3.ops.gemv import gemv
+
+    def graph_us(fn, calls: int = 20) -> float:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            g.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 10 / calls * 1e6
+
+    shapes = {"kda in (qkv, f_a, g_a, b)": (1536, 6416), "kda o_proj": (2048, 1536), "kda f_b / g_b": (128, 2048),
+              "shared gate_up": (1536, 1024), "shared down": (512, 1536), "dense gate_up": (1536, 8192),
+              "dense down": (4096, 1536), "lm_head": (1536, 32000)}
+    out = {}
+    for name, (K, N) in shapes.items():
+        # 20 weights, one a call: each call reads its weight from HBM as a decode step does (20 x the largest,
+        # 0.98 GB, is past the 50 MB L2; 20 x the smallest, 10 MB, is not)
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(20)]
+        for T in (1, 2, 4):
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            it = iter(range(10 ** 9))
+            cublas = graph_us(lambda: F.linear(x, ws[next(it) % 20]))
+            triton_us = graph_us(lambda: gemv(x, ws[next(it) % 20]))
+            err = ((gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).norm() / F.linear(x, ws[0]).float().norm()).item()
+            gbs = N * K * 2 / 1e3
+            out[f"{name} T={T}"] = {"cublas_us": cublas, "gemv_us": triton_us, "rel_err": err,
+                                    "cublas_GBps": gbs / cublas, "gemv_GBps": gbs / triton_us}
+            print(f"  {name:28s} T={T}  cuBLAS {cublas:7.2f} us ({gbs / cublas:5.0f} GB/s)  gemv {triton_us:7.2f} us "
+                  f"({gbs / triton_us:5.0f} GB/s)  rel err {err:.1e}", flush=True)
+    return out
+
+
 def part_attn() -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -326,7 +372,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, attn, hit, prefill:L[:B[:C]], modules:B, decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, attn, linear, hit, prefill:L[:B[:C]], modules:B, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -356,6 +402,8 @@ def main() -> None:
                 v = [int(x) for x in name.split(":")[1:]]
                 L, B, C = (v + [1, 8192][len(v) - 1:])[:3]
                 results[name] = part_prefill(model, args, rng, L, B, C, a.out)
+            elif name == "linear":
+                results[name] = part_linear()
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("decode:"):

@@ -38,6 +38,7 @@ from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
 from openk3.ops.moe import route
+from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
 from openk3.ops.moe_gemv import GLUSpec, gemv_applies
 from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
@@ -149,6 +150,22 @@ def glu_activation(config: K3Config):
     return swiglu_any
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward at one input row without grad (a batch-1 decode step) runs ops/gemv.py's Triton
+    kernel where it can (CUDA, no autocast, not compiling): cuBLAS read some of these weights at 0.3-0.8 TB/s on the
+    H200 (ops/gemv.py). Same parameters, names and state dict as nn.Linear; everything else runs F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None and linear_gemv_applies(x, self.weight):
+            return gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(x, weight) through `gemv` where it applies (`Linear`)."""
+    return gemv(x, weight) if linear_gemv_applies(x, weight) else F.linear(x, weight)
+
+
 @dataclass
 class FusedLinears:
     """Inference only (issue #12): a COPY of the weights of a module's Linear submodules that read the same input,
@@ -174,7 +191,7 @@ def fused_outputs(module: nn.Module, x: Tensor) -> dict[str, Tensor] | None:
     fused = module.fused_linears
     if fused is None or not fused.active or torch.is_grad_enabled():
         return None
-    return dict(zip(fused.keys, F.linear(x, fused.weight).split(fused.sizes, dim=-1)))
+    return dict(zip(fused.keys, linear(x, fused.weight).split(fused.sizes, dim=-1)))
 
 
 def project(module: nn.Module, key: str, x: Tensor, outs: dict[str, Tensor] | None) -> Tensor:
@@ -191,9 +208,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: K3Config, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
         self.act = glu_activation(config)
 
     def forward(self, x: Tensor, outs: dict[str, Tensor] | None = None) -> Tensor:
@@ -416,24 +433,24 @@ class KimiDeltaAttention(nn.Module):
         D, H, K = config.hidden_size, lac.num_heads, lac.head_dim
         self.H, self.K, self.W = H, K, lac.short_conv_kernel_size
         self.lower_bound = lac.gate_lower_bound
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_proj = Linear(D, H * K, bias=False)
+        self.k_proj = Linear(D, H * K, bias=False)
+        self.v_proj = Linear(D, H * K, bias=False)
         self.q_conv1d = nn.Conv1d(H * K, H * K, self.W, groups=H * K, bias=False)
         self.k_conv1d = nn.Conv1d(H * K, H * K, self.W, groups=H * K, bias=False)
         self.v_conv1d = nn.Conv1d(H * K, H * K, self.W, groups=H * K, bias=False)
-        self.f_a_proj = nn.Linear(D, K, bias=False)  # low rank = head_dim (128 in K3 and Kimi-Linear)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.f_a_proj = Linear(D, K, bias=False)  # low rank = head_dim (128 in K3 and Kimi-Linear)
+        self.f_b_proj = Linear(K, H * K, bias=False)
+        self.b_proj = Linear(D, H, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
         if lac.use_full_rank_gate:
-            self.g_proj = nn.Linear(D, H * K, bias=False)
+            self.g_proj = Linear(D, H * K, bias=False)
         else:
-            self.g_a_proj = nn.Linear(D, K, bias=False)
-            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+            self.g_a_proj = Linear(D, K, bias=False)
+            self.g_b_proj = Linear(K, H * K, bias=False)
         self.o_norm = RMSNorm(K, config.rms_norm_eps)
-        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.o_proj = Linear(H * K, D, bias=False)
         self.full_rank_gate = lac.use_full_rank_gate
 
     # `outs` below: the projections of x from one fused matmul (`fused_outputs`), or None for the modules' own calls.
@@ -592,17 +609,17 @@ class GatedMLA(nn.Module):
         self.qd = self.nope + self.rope
         self.scale = self.qd ** -0.5
         if config.q_lora_rank is not None:
-            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, config.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)  # NOTE: the MLA latent norms use 1e-6
-            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qd, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, H * self.qd, bias=False)
         else:
-            self.q_proj = nn.Linear(D, H * self.qd, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.r + self.rope, bias=False)
+            self.q_proj = Linear(D, H * self.qd, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, self.r + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
-        self.kv_b_proj = nn.Linear(self.r, H * (self.nope + self.vd), bias=False)
+        self.kv_b_proj = Linear(self.r, H * (self.nope + self.vd), bias=False)
         if config.mla_use_output_gate:
-            self.g_proj = nn.Linear(D, H * self.vd, bias=False)
-        self.o_proj = nn.Linear(H * self.vd, D, bias=False)
+            self.g_proj = Linear(D, H * self.vd, bias=False)
+        self.o_proj = Linear(H * self.vd, D, bias=False)
         self.use_gate = config.mla_use_output_gate
 
     # `outs` below: the projections of x from one fused matmul (`fused_outputs`), or None for the modules' own calls.
@@ -810,8 +827,8 @@ class MoE(nn.Module):
         self.experts = Experts(config.num_experts, De, config.moe_intermediate_size)
         self.latent = config.latent_moe
         if self.latent:
-            self.routed_expert_down_proj = nn.Linear(D, De, bias=False)
-            self.routed_expert_up_proj = nn.Linear(De, D, bias=False)
+            self.routed_expert_down_proj = Linear(D, De, bias=False)
+            self.routed_expert_up_proj = Linear(De, D, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(De, config.rms_norm_eps)
         if config.num_shared_experts:
@@ -863,9 +880,9 @@ class DecoderLayer(nn.Module):
         if self.block_size is not None:
             # HF names: self_attention_res_norm.weight [D], self_attention_res_proj.weight [1, D], same for mlp_res_*
             self.self_attention_res_norm = RMSNormWeight(D)
-            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.self_attention_res_proj = Linear(D, 1, bias=False)
             self.mlp_res_norm = RMSNormWeight(D)
-            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_proj = Linear(D, 1, bias=False)
 
     def ffn(self, x: Tensor, ctx: "ForwardContext | None" = None) -> Tensor:
         """The dense MLP or the MoE of this layer; `ctx` (default: none) gives QAT and the router records."""
@@ -1003,10 +1020,10 @@ class K3ForCausalLM(nn.Module):
         # MXFP8 expert inputs), spec section 5. The trainer decides it from --qat; load_for_inference from the config.
         self.qat = qat
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.attn_res:
             self.output_attn_res_norm = RMSNormWeight(config.hidden_size)
-            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_proj = Linear(config.hidden_size, 1, bias=False)
         if self.lm_head.weight.device.type != "meta":
             self.reset_parameters()
 

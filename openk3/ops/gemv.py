@@ -1,0 +1,98 @@
+"""A linear layer at one to a few input rows in one Triton kernel, for forwards without gradients (issue #12).
+
+A decode step at batch 1 runs every projection of the model as a matrix-vector product. cuBLAS's kernels for
+them read the weights far below the H200's bandwidth at some shapes (`bench/decode_probe.py linear`, graph-replayed,
+kimi-linear-1.5b, tenth session; T = 1 row, us a call):
+
+    shape (in -> out)                cuBLAS    this kernel
+    2048 -> 1536 (KDA o_proj)          7.58      2.74
+    1536 -> 1024 (shared gate_up)      9.84      2.42
+    128 -> 2048 (KDA f_b / g_b)        2.46      1.51
+    4096 -> 1536 (dense down)          6.24      3.84
+    1536 -> 6416 (KDA input proj)      6.10      4.75
+    1536 -> 32000 (lm_head)           26.58     25.45
+
+One program computes BLOCK_N outputs of every row: it walks the input in BLOCK_K slices, reads each [BLOCK_N,
+BLOCK_K] tile of the weight once for all T rows, and accumulates the dot products in fp32; the result is rounded
+once to x's dtype (a matmul's precision: fp32 accumulation, only the summation order differs from cuBLAS). At 16
+rows cuBLAS's tensor-core kernels win by far (the same probe: 3-10x), so `gemv_applies` takes at most GEMV_MAX_ROWS.
+
+Triton is optional: without it nothing here runs. With TRITON_INTERPRET=1 in the environment when this module is
+imported, the kernel runs in Triton's CPU interpreter on CPU tensors (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+# NOTE: measured at 1 row (the table above); at 4 rows this kernel's first version, which read the weight once per
+# row, lost to cuBLAS on the large shapes. This one reads it once for all rows; 2 rows and more are not measured.
+GEMV_MAX_ROWS = 1
+TILE = 2048  # weight elements a program reads per step (BLOCK_N x BLOCK_K): the best tiles of the probe
+
+
+def gemv_applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether `gemv` runs for F.linear(x, weight): Triton, CUDA (or the interpreter on the CPU), no gradient wanted,
+    not inside torch.compile (Inductor makes its own kernels), x [..., K] of at most GEMV_MAX_ROWS rows with a
+    contiguous last dim, the weight [N, K] contiguous, both bf16 / fp16 / fp32 of one dtype, autocast off. Shapes and
+    flags only."""
+    if triton is None or weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        return False
+    if x.device.type != "cuda" and not (INTERPRET and x.device.type == "cpu"):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        return False  # (under autocast F.linear would compute in the autocast dtype)
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return 0 < x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1 \
+        and x.device == weight.device
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, K: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[t, n] = x[t] . w[n] in fp32 for the program's BLOCK_N outputs n and every row t < T."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        t = tl.arange(0, BLOCK_T)
+        t_mask = t < T
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < K
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        tl.store(y_ptr + t[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & n_mask[None, :])
+
+
+def gemv(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(x, weight) (no bias) for x [..., K] of few rows, weight [N, K] -> [..., N] in x's dtype (module
+    docstring). Only where `gemv_applies`."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x_TK = x.reshape(-1, K)
+    T = x_TK.shape[0]
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    block_k = min(1024 if K % 1024 == 0 else 512, triton.next_power_of_2(K))
+    block_n = min(8, max(2, TILE // block_k))
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x_TK, weight, y, N, x_TK.stride(0), K=K, T=T,
+                                             BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k)
+    return y.view(*x.shape[:-1], N)
