@@ -20,6 +20,7 @@ from openk3.serve.static import SlotPool
 from tests.helpers import rel_err, run_interpreted_child
 from tests.model import test_kda_fused_routing as routing
 from tests.model.test_kda_fused_routing import fake_fla  # noqa: F401 (the fixture)
+from tests.ops.test_moe_gemv import compile_for_sm90
 from tests.serve.test_cache import small_model
 
 needs_triton = pytest.mark.skipif(conv_step.triton is None, reason="triton is not installed")
@@ -106,6 +107,19 @@ def test_the_cpu_keeps_the_pytorch_chain():
     assert conv_step_supported("cuda", torch.bfloat16) == (conv_step.triton is not None)
     qkv = torch.randn(2, 12, requires_grad=True)
     assert not conv_step_applies(qkv, torch.zeros(3, 3, 12))
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernel_compiles_for_sm90_without_spills(dtype):
+    """What the interpreter cannot check: that Triton compiles the kernel (its branch per q, k, v, the barrier) for
+    the GPU the lead runs, at kimi-linear-1.5b's shapes, with no register spilled to local memory."""
+    types = {n: f"*{dtype}" for n in ("qkv_ptr", "pool_ptr", "q_ptr", "k_ptr", "v_ptr")}
+    types.update({n: "*fp32" for n in ("wq_ptr", "wk_ptr", "wv_ptr")}, rows_ptr="*i64", stride_qkv="i64")
+    usage = compile_for_sm90(conv_step._conv_step_kernel, types,
+                             {"HK": 16 * 128, "W": 4, "BLOCK_C": conv_step.MAX_BLOCK_C, "BLOCK_W": 4})
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
 
 def test_bad_inputs_are_named():

@@ -6,7 +6,7 @@ q | k | v conv weights' cat, `conv_silu_one_token` (the window's cat, a product,
 tail's cat / slice / cast and the slot pool's `index_copy_` (`SlotKDAState.conv`'s setter), then fla's decode
 kernel copied the q, k, v split views to contiguous tensors: about 8 launches and ~17 us a layer at batch 1 on the
 H200 (more at batch 64), and the static step gathered every layer's conv tails out of the pool first. Here one
-program per (row, q/k/v, channel block) reads its rows' window where the pool keeps it and updates it there:
+program per (row, q/k/v, channel block) reads its row's window where the pool keeps it and updates it there:
 
     window = [pool[rows[b], 0 .. W-2, c], qkv[b, c]]
     y = silu(sum_j window[j] * w[c, j])             in fp32, rounded to qkv's dtype, into q, k or v [B, 1, H, K]
@@ -14,7 +14,8 @@ program per (row, q/k/v, channel block) reads its rows' window where the pool ke
 
 which is `conv_silu_one_token` followed by `conv_tail` and the setter's `index_copy_` (tests/ops/test_conv_step.py).
 The window's values are promoted to fp32 as stored, the weights too; the sum over the window runs in another order
-than torch's (fp32 rounding apart); q, k, v are contiguous, so fla's decode kernel copies nothing.
+than torch's (fp32 rounding apart); q, k, v are contiguous, so fla's decode kernel copies nothing. Programs of one
+row touch disjoint channels. Checked in the interpreter and compiled for sm_90; not yet run or timed on a GPU.
 
 Triton is optional: without it `conv_step_applies` is False and the PyTorch chain runs. With TRITON_INTERPRET=1 in
 the environment at import, the kernel runs in Triton's CPU interpreter on CPU tensors (the tests).
