@@ -37,6 +37,7 @@ from openk3.ops import moe_experts, select_moe_backend
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
+from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
 from openk3.ops.moe import route
 from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
 from openk3.ops.moe_gemv import GLUSpec, gemv_applies
@@ -525,25 +526,34 @@ class KimiDeltaAttention(nn.Module):
     def forward_fused(self, x: Tensor, cu_seqlens: Tensor | None, state: KDAState | None = None,
                       recurrent: bool = False) -> Tensor:
         """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU (at a
-        decode step's one token, a few PyTorch ops instead: `conv_silu`), the decay gate inside chunk_kda, and the
-        gated output norm; with `state` (not with cu_seqlens) the conv starts
-        from its tail and the recurrence from its state, and both are updated as `forward` updates them (inputs
-        None). `recurrent` (with a state, forward only): fla's token-by-token kernel in place of chunk_kda, with
-        beta's sigmoid inside it too; a decode step of the engine's slot pool (T = 1) updates the pool's rows where
-        they are (`recurrent_gated`, docs/engine.md "KDA from a cache, token by token"), and a speculative
-        verification over the slot pool (`SlotKDAState.token_rows`) writes the state after each of its tokens to its
-        own pool row and keeps {"qkv", "conv"} in `inputs` for the conv tail's rollback. Same math as the reference
-        pieces below; tests/model/test_kda_backends_gpu.py checks a training step (its fused=1 cases) and a cached
-        prefill and decode both ways against them on the GPU, tests/model/test_kda_fused_routing.py the routing
-        and the slot pool on any machine."""
+        decode step's one token, a few PyTorch ops instead: `conv_silu`; over the engine's slot pool, one kernel that
+        updates the pool's conv tails in place where Triton runs: ops/kda/conv_step.py), the decay gate inside
+        chunk_kda, and the gated output norm; with `state` (not with cu_seqlens) the conv starts from its tail and the
+        recurrence from its state, and both are updated as `forward` updates them (inputs None). `recurrent` (with a
+        state, forward only): fla's token-by-token kernel in place of chunk_kda, with beta's sigmoid inside it too; a
+        decode step of the engine's slot pool (T = 1) updates the pool's rows where they are (`recurrent_gated`,
+        docs/engine.md "KDA from a cache, token by token"), and a speculative verification over the slot pool
+        (`SlotKDAState.token_rows`) writes the state after each of its tokens to its own pool row and keeps {"qkv",
+        "conv"} in `inputs` for the conv tail's rollback. Same math as the reference pieces below;
+        tests/model/test_kda_backends_gpu.py checks a training step (its fused=1 cases) and a cached prefill and decode
+        both ways against them on the GPU, tests/model/test_kda_fused_routing.py the routing and the slot pool on any
+        machine."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         outs = fused_outputs(self, x)
         qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
-        tail = state.conv if state is not None else None
         per_token = isinstance(state, SlotKDAState) and state.token_rows is not None  # a verification's states kept
-        qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
-        q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
+        # a decode step of the engine's slot pool: the conv tails read and updated where the pool keeps them, by one
+        # kernel (the PyTorch chain's ~8 launches a layer and the tails' gather, ops/kda/conv_step.py)
+        conv_in_place = T == 1 and isinstance(state, SlotKDAState) and not per_token and cu_seqlens is None \
+            and not torch.compiler.is_compiling() and conv_step_applies(qkv_in, state.conv_pool)
+        tail = state.conv if state is not None and not conv_in_place else None
+        if conv_in_place:
+            q, k, v = conv_step_in_place(qkv_in[:, 0], self.q_conv1d.weight, self.k_conv1d.weight,
+                                         self.v_conv1d.weight, *state.conv_pool_rows(), H, K)
+        else:
+            qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
+            q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         f, b = self.decay_input(x, outs), project(self, "b_proj", x, outs)
         gate = (self.A_log.float(), self.dt_bias.float(), self.lower_bound, K ** -0.5)
         if not recurrent:
@@ -556,7 +566,8 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, final = kda_fused.recurrent_gated(q, k, v, f, b, *gate, state.recurrent)
         if state is not None:
-            state.conv = self.conv_tail(tail, qkv_in)
+            if not conv_in_place:  # (else updated in the pool)
+                state.conv = self.conv_tail(tail, qkv_in)
             if final is not None:  # (None: updated in the pool)
                 state.recurrent = final
             # a verification keeping every token's state keeps what its conv tail's rollback reads: the raw inputs

@@ -126,6 +126,12 @@ class SlotKDAState:
         self._gathered["recurrent"] = None
         return self.recurrent_pool, self.rows
 
+    def conv_pool_rows(self) -> tuple[Tensor, Tensor]:
+        """(the conv pool [N, W-1, 3*H*K], the batch's rows in it [B]) for a kernel that updates the conv tails in
+        place (ops/kda/conv_step.py `conv_step_in_place`); tails gathered before are stale after it."""
+        self._gathered["conv"] = None
+        return self.conv_pool, self.rows
+
     def pool_token_rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """`pool_rows` for a verification that keeps every token's state (`token_rows`): (the pool, token_rows
         [B, T], `accepted` [B] int32, all T: the kernel reads row b's state from token_rows[b, T - 1])."""

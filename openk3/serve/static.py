@@ -53,6 +53,7 @@ from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import graph_capture, select_kda_backend, select_moe_backend
+from openk3.ops.kda.conv_step import conv_step_supported
 from openk3.serve.cache import (PagedSeq, PagePool, device_tensor, kept_conv_tail, pinned_copies, rollback_kda,
                                 upload)
 from openk3.serve.sampler import SamplingParams, sample_batch
@@ -105,9 +106,10 @@ class SlotPool:
     All layers' states of a kind live in one tensor, layer l's slot s at row l * R + s (R = S + 1 + spare rows):
     the recurrent states [L * R, H, K, K] fp32 and the conv tails [L * R, W-1, 3*H*K]. So the static step reads all
     layers' rows with one gather and resets all scratch slots with one fill, instead of an op per layer for each, and
-    every write of a layer's rows (an `index_copy_`, fla's in-place decode kernel) goes into one of those two tensors
-    by row number, not into a view of it (the exception: `clear_scratch`'s strided fill): under torch.compile each is
-    then one graph input that the step mutates, with no aliased inputs (docs/engine.md "Fast decode path").
+    every write of a layer's rows (an `index_copy_`, fla's in-place decode kernel, the conv kernel) goes into one of
+    those two tensors by row number, not into a view of it (the exception: `clear_scratch`'s strided fill): under
+    torch.compile each is then one graph input that the step mutates, with no aliased inputs (docs/engine.md "Fast
+    decode path").
     `spare`: rows after the slots (layer l's at l * R + S + 1 ...) where a speculative verification keeps the
     recurrent state after each of its tokens but the last (`view(tokens=)`), B * (T - 1) of them for B rows of T
     tokens. The conv pool has them too (one row numbering for both kinds), unused: a conv tail is W-1 raw inputs,
@@ -159,12 +161,13 @@ class SlotPool:
     def give(self, slot: int) -> None:
         self.free.append(slot)
 
-    def view(self, slots: Tensor, gather: bool = False, gather_recurrent: bool = True,
+    def view(self, slots: Tensor, gather: bool = False, gather_recurrent: bool = True, gather_conv: bool = True,
              chunked: bool = False, tokens: int | None = None) -> list[SlotKDAState]:
         """The states of the rows at `slots` [B], one `SlotKDAState` per KDA layer. `gather`: read every layer's
         rows now, in one op per kind (for a forward that reads each layer's state once, as a decode step does);
         `gather_recurrent=False` leaves the recurrent rows out of it (fla's decode kernel updates them in the pool
-        in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written). `chunked`: see
+        in place; at batch 64 the gather alone copied 0.8 GB a step, 1.6 GB read and written), `gather_conv=False`
+        the conv tails (ops/kda/conv_step.py updates them in the pool in place at one token a row). `chunked`: see
         `KDAState.chunked`. `tokens` (T): a verification over T tokens a row that keeps every token's state
         (`SlotKDAState.token_rows`): row b's state after token t < T - 1 goes to spare row b * (T - 1) + t, after
         the last token to its slot (`fits_tokens`)."""
@@ -172,11 +175,11 @@ class SlotPool:
         L, B = rows.shape
         conv = rec = token_rows = [None] * L
         accepted = None
-        if gather:
+        if gather and gather_conv:
             conv = self.conv_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.conv_all.shape[1:]).unbind(0)
-            if gather_recurrent:
-                rec = self.recurrent_all.index_select(0, rows.view(-1)) \
-                    .view(*rows.shape, *self.recurrent_all.shape[1:]).unbind(0)
+        if gather and gather_recurrent:
+            rec = self.recurrent_all.index_select(0, rows.view(-1)).view(*rows.shape, *self.recurrent_all.shape[1:]) \
+                .unbind(0)
         if tokens is not None:
             if not self.fits_tokens(B, tokens):
                 raise ValueError(f"{B} rows of {tokens} tokens need {B * (tokens - 1)} spare rows, the pool has "
@@ -333,8 +336,9 @@ class StaticDecoder:
         self.mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.counters = dict(static_steps=0, graph_captures=0, graph_replays=0)
         # fla's decode kernel updates the pool's recurrent rows in place (model.py `forward_fused` with
-        # `recurrent`; eager only)
+        # `recurrent`; eager only), and at one token a row the conv kernel its conv tails (ops/kda/conv_step.py)
         self.in_place = kda_in_place(self.device, compile)
+        self.conv_in_place = self.in_place and conv_step_supported(self.device, slots.conv_all.dtype)
         self.run = self._run
         if compile:
             # NOTE: dynamic=None: the first shape compiles static, a second one recompiles with dynamic sizes, so
@@ -372,7 +376,8 @@ class StaticDecoder:
     def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
         the fp32 logits [B, V])."""
-        kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place)
+        kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place,
+                              gather_conv=not self.conv_in_place)
         logits = self.model(buf.ids, cache=self._cache(buf, kda), validate=False).logits[:, -1].float()
         self._reset_padding()
         top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast for it
@@ -411,9 +416,9 @@ class StaticDecoder:
         """Model forward over T prompt tokens a row (a piece of a prefill chunk, `prefill`) -> the fp32 logits of each
         row's last token [B, V]. Its KDA layers run fla's chunked kernel over more than RECURRENT_SEGMENT_TOKENS
         tokens (`KDAState.chunked`): captured, it costs no host time."""
-        # a one-token piece with fla updates the pool's recurrent rows in place, as a decode step (`_run`)
+        # a one-token piece with fla updates the pool's rows in place, as a decode step (`_run`)
         kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not (self.in_place and buf.T == 1),
-                              chunked=True)
+                              gather_conv=not (self.conv_in_place and buf.T == 1), chunked=True)
         logits = self.model(buf.ids, cache=self._cache(buf, kda), logits_to_keep=1, validate=False).logits[:, -1]
         self._reset_padding()
         return logits.float()
@@ -425,7 +430,8 @@ class StaticDecoder:
         [B, k]; the batch's states after steps 1..k, `SlotPool.snapshot` each)."""
         tokens, drafted, snapshots = buf.ids[:, :1], [], []
         for i in range(buf.T):
-            kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place)
+            kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place,
+                                  gather_conv=not self.conv_in_place)
             logits = self.model(tokens, cache=self._cache(buf, kda, token=i), validate=False).logits[:, -1]
             self._reset_padding()
             if i == buf.T - 1:

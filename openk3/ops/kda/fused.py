@@ -6,7 +6,8 @@ Each function here computes exactly what a piece of `KimiDeltaAttention`'s refer
 and chunk_gated also start from a cache's state (the conv tail, the recurrent state) for a cached prefill:
 
     conv_silu      causal_conv_silu: depthwise causal short conv + SiLU, restarting at document starts; one
-                   token after a cache's tail (a decode step) in plain PyTorch instead (`conv_silu_one_token`)
+                   token after a cache's tail (a decode step) in plain PyTorch instead (`conv_silu_one_token`), or
+                   over the engine's slot pool in one Triton kernel that updates the tails there (conv_step.py)
     chunk_gated    decay() + the delta rule: the gate  lb * sigmoid(exp(A_log) * (f + dt_bias))  (K3, bounded;
                    fla's `safe_gate`) or  -exp(A_log) * softplus(f + dt_bias)  (Kimi-Linear) computed inside
                    fla's chunk_kda, which also returns the gradients of A_log and dt_bias
@@ -115,7 +116,8 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     # NOTE: the kernel walks q, k, v, f by pointer over contiguous [B, T, H, K] rows and has no input guard: the
-    # q | k | v split views of the conv output are copied, and the launch is put on the inputs' device here. `out`:
+    # q | k | v split views of the conv output are copied (conv_step.py's outputs are contiguous already: no copy),
+    # and the launch is put on the inputs' device here. `out`:
     # the kernel writes every row of it (its default zero-fills one first: a kernel more per layer)
     v = v.to(q.dtype).contiguous()
     args = dict(q=q.contiguous(), k=k.to(q.dtype).contiguous(), v=v, g=f.contiguous(), beta=beta_logits.contiguous(),
