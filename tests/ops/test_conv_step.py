@@ -84,8 +84,11 @@ def check_against_reference(B, H, K, W, dtype, pool_dtype, pad, rows, device="cp
     got = torch.cat([q, k, v], dim=2).flatten(2)
     if dtype == torch.float32:
         assert rel_err(got, want) < 1e-6
-    else:  # within one ulp of the fp32 result (the interpreter truncates to bf16; the GPU rounds to nearest)
-        assert ((got.float() - exact).abs() <= 1.01 * ulp(exact, dtype)).all()
+    else:  # within one ulp of the fp32 result (the interpreter truncates to bf16; the GPU rounds to nearest), plus
+        # the fp32 sum's own error where the window's terms cancel to a result near 0 (the GPU fuses multiply-adds:
+        # on the H200 one of 64 x 6144 bf16 outputs was past the ulp bound alone)
+        slack = 1e-6 * exact.abs().max()
+        assert ((got.float() - exact).abs() <= 1.01 * ulp(exact, dtype) + slack).all()
         assert rel_err(got, want) < 2 * torch.finfo(dtype).eps
     assert torch.equal(pool, after)  # the tails shifted exactly, every other row as it was
 
