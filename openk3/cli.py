@@ -41,6 +41,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     from openk3.config import get_config
     from openk3.model import count_params
     from openk3.ops import select_kda_backend, select_moe_backend
+    from openk3.ops.mla_decode import select_paged_attention
 
     config = get_config(args.config)
     counts = count_params(config)
@@ -78,6 +79,8 @@ def cmd_info(args: argparse.Namespace) -> None:
     mb = select_moe_backend(device.type, torch.float32)
     print(f"KDA backend      {kb.name} on {device.type}: {kb.reason}")
     print(f"MoE backend      {mb.name} on {device.type} fp32: {mb.reason}")
+    mla_on, mla_why = select_paged_attention(device, torch.bfloat16)
+    print(f"MLA decode step  {'paged kernel' if mla_on else 'gather'} on {device.type} bf16: {mla_why}")
 
 
 def cmd_init(args: argparse.Namespace) -> None:

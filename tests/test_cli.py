@@ -22,7 +22,7 @@ def test_info_json_gives_the_release_counts(capsys):
 def test_info_human_readable_names_the_backends(capsys):
     main(["info", "--config", "tiny"])
     out = capsys.readouterr().out
-    assert "KDA backend" in out and "MoE backend" in out
+    assert "KDA backend" in out and "MoE backend" in out and "MLA decode step" in out
 
 
 def test_init_then_reload_gives_identical_logits(tmp_path):

@@ -37,9 +37,10 @@ from openk3.ops import moe_experts, select_moe_backend
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
-from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
-from openk3.ops.moe import route
 from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
+from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
+from openk3.ops.mla_decode import latent_attention, paged_latent_attention
+from openk3.ops.moe import route
 from openk3.ops.moe_gemv import GLUSpec, gemv_applies
 from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
@@ -293,15 +294,6 @@ def causal_conv_silu(x_BTC: Tensor, w_C1W: Tensor, pos_BT: Tensor | None, tail_B
             xs = xs * (pos_BT >= s).unsqueeze(-1)
         y = y + xs * w[:, W - 1 - s]
     return F.silu(y)
-
-
-def bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a [N, m, k] @ b [N, k, n] -> [N, m, n] fp32, accumulated in fp32. On CUDA half-precision operands stay as
-    they are (tensor cores; torch.bmm's out_dtype); elsewhere, where out_dtype has no kernel, both are upcast: the same
-    fp32 accumulation (a product of two bf16 or fp16 numbers is exact in fp32)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
 
 
 def document_causal_mask(cu_seqlens: Tensor, B: int, T: int) -> Tensor:
@@ -697,26 +689,37 @@ class GatedMLA(nn.Module):
         """Attend in latent space (the decode form): fold kv_b's k part into q_nope, score against the latent
         cache, then apply kv_b's v part. q [B,T,H,qd], lat [B,S,r+rope], mask [B or 1, 1, T, S] -> [B,T,H,vd].
         Same math as `attend_expanded`. The matmuls run in kv_b's dtype (q and lat are cast to it), the scores,
-        mask and softmax in fp32."""
+        mask and softmax in fp32 (openk3/ops/mla_decode.py `latent_attention`)."""
         # NOTE: a flash-attention kernel's precision (issue #12): half-precision operands with fp32 accumulation,
         # the scores fp32 through the mask and softmax, p rounded to the operands' dtype for p @ c. Casting kv_b's
         # weight and the whole latent cache to fp32 for fp32 matmuls took ~0.8 ms of a 6.4 ms decode step on the
         # H200 (kimi-linear-1.5b, batch 64). An fp32 model computes in fp32 throughout.
+        q_cat = self.absorbed_query(q)
+        o_lat = latent_attention(q_cat, lat.to(q_cat.dtype), mask, self.scale, self.r)
+        return self.absorbed_output(o_lat, q)
+
+    def attend_paged(self, q: Tensor, pages: Tensor, table: Tensor, visible: Tensor) -> Tensor:
+        """`attend_absorbed` over a paged latent cache read in place by a Triton kernel (openk3/ops/mla_decode.py
+        `paged_latent_attention`): pages [num_pages, page_size, r+rope] of this layer, table [B, P], visible [B] (the
+        keys each row's last new token sees) -> [B,T,H,vd]. The fast decode step's path (serve/static.py)."""
+        q_cat = self.absorbed_query(q)
+        o_lat = paged_latent_attention(q_cat, pages, table, visible, self.scale, self.r, self.H)
+        return self.absorbed_output(o_lat, q)
+
+    def absorbed_query(self, q: Tensor) -> Tensor:
+        """q [B,T,H,qd] -> q_cat [B, T*H, r+rope] = [q_nope . w_k | q_pe] in kv_b's dtype: lat is [c | k_pe], so one
+        product with q_cat gives q_lat . c + q_pe . k_pe."""
         B, T, H, _ = q.shape
-        dtype = self.kv_b_proj.weight.dtype
-        w = self.kv_b_proj.weight.view(H, self.nope + self.vd, self.r)
-        w_k, w_v = w[:, :self.nope], w[:, self.nope:]  # [H, nope, r], [H, vd, r]
-        q_nope, q_pe = q.to(dtype).split([self.nope, self.rope], dim=-1)
-        lat = lat.to(dtype)
+        w_k = self.kv_b_proj.weight.view(H, self.nope + self.vd, self.r)[:, :self.nope]  # [H, nope, r]
+        q_nope, q_pe = q.to(w_k.dtype).split([self.nope, self.rope], dim=-1)
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_k)
-        # lat is [c | k_pe]: one product against [q_lat | q_pe] gives q_lat . c + q_pe . k_pe
-        q_cat = torch.cat([q_lat, q_pe], dim=-1).view(B, T * H, self.r + self.rope)
-        scores = bmm_fp32(q_cat, lat.transpose(1, 2)).view(B, T, H, -1) * self.scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask.transpose(1, 2), float("-inf"))
-        p = scores.softmax(-1).to(dtype).view(B, T * H, -1)
-        o_lat = torch.bmm(p, lat[..., :self.r]).view(B, T, H, self.r)
-        return torch.einsum("bthr,hvr->bthv", o_lat, w_v).to(q.dtype)
+        return torch.cat([q_lat, q_pe], dim=-1).view(B, T * H, self.r + self.rope)
+
+    def absorbed_output(self, o_lat: Tensor, q: Tensor) -> Tensor:
+        """o_lat [B, T*H, r] -> [B,T,H,vd] in q's dtype: kv_b's v part applied."""
+        B, T, H, _ = q.shape
+        w_v = self.kv_b_proj.weight.view(H, self.nope + self.vd, self.r)[:, self.nope:]  # [H, vd, r]
+        return torch.einsum("bthr,hvr->bthv", o_lat.view(B, T, H, self.r), w_v).to(q.dtype)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, state: MLAState | None = None,
                 absorb: bool | None = None, varlen: tuple[Tensor, int] | None = None) -> Tensor:
@@ -735,10 +738,13 @@ class GatedMLA(nn.Module):
         if state is not None:
             if mask is not None:
                 raise ValueError("packed-document masks are not supported together with a decode cache")
+            absorb = absorb if absorb is not None else T <= ABSORB_MAX_TOKENS
+            if absorb and getattr(state, "paged", False):
+                # the fast decode step's cache (serve/static.py `StaticMLA`): its pages read in place, no gather
+                return self.output(self.attend_paged(q, *state.append_paged(lat)), x, outs)
             # mask None: every row's keys are its cached tokens then these T (`MLAState.append`)
             lat, mask = state.append(lat)
             lat = lat.to(x.dtype)
-            absorb = absorb if absorb is not None else T <= ABSORB_MAX_TOKENS
         if absorb:
             if mask is None:
                 mask = lower_right_causal_mask(T, lat.shape[1], x.device)

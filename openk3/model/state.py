@@ -50,7 +50,9 @@ class MLAState:
     latents and returns (every latent the new queries attend to [B, S, C], mask), where the mask is [B or 1, 1, T, S]
     bool (True = may attend) for rows with different histories, or None when every row's S keys are exactly its
     S - T cached tokens then the T new ones: query t sees keys 0..S - T + t (lower-right causal), which lets a
-    prefill chunk attend through a flash kernel without a dense mask."""
+    prefill chunk attend through a flash kernel without a dense mask. A cache with a true `paged` attribute (the
+    fast decode step's, serve/static.py `StaticMLA`) also offers `append_paged`, which `GatedMLA` calls instead when
+    it attends in latent space: its pages are then read in place by a kernel (openk3/ops/mla_decode.py)."""
 
     latent: Tensor
     length: int = 0

@@ -9,7 +9,8 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
                    spare rows hold a speculative verification's state after each of its tokens (below).
     StaticMLA      one MLA layer's cache for the step: writes the new latent of every row into its page and reads
                    the pool through a fixed-width page table [B, P] (padded with the zero page) plus each row's
-                   length (the mask), with one batched gather and no per-row copy.
+                   length (the mask): where the paged Triton kernel runs (CUDA, openk3/ops/mla_decode.py), in place
+                   (`append_paged`), else with one batched gather (`append`); no per-row copy either way.
     StaticDecoder  the step: copies the host's inputs (last tokens, slots, page tables, lengths, sampling
                    parameters) into static buffers of the bucket (B rounded up to BATCH_BUCKETS, P to a power of
                    two), runs the model forward for T = 1 and `sample_batch`, and hands back tokens, logprobs and a
@@ -54,6 +55,7 @@ from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import graph_capture, select_kda_backend, select_moe_backend
 from openk3.ops.kda.conv_step import conv_step_supported
+from openk3.ops.mla_decode import select_paged_attention
 from openk3.serve.cache import (PagedSeq, PagePool, device_tensor, kept_conv_tail, pinned_copies, rollback_kda,
                                 upload)
 from openk3.serve.sampler import SamplingParams, sample_batch
@@ -220,22 +222,37 @@ class SlotPool:
 
 class StaticMLA:
     """One MLA layer's paged cache for a static step (the `MLAState.append` protocol, T tokens a row): its pages
-    through the page table [B, P], the new tokens' (page, offset) [B, T] each, and the mask [B, 1, T, P*page_size]."""
+    through the page table [B, P], the new tokens' (page, offset) [B, T] each, and the mask [B, 1, T, P*page_size].
+    `visible` [B] (the keys each row's last new token sees) where the step runs the paged kernel: then `paged` is
+    True and `GatedMLA` calls `append_paged` instead of `append` when it attends in latent space."""
 
     def __init__(self, pool: PagePool, mla_index: int, table: Tensor, write_page: Tensor, write_offset: Tensor,
-                 mask: Tensor):
-        self.pool, self.index, self.mask = pool, mla_index, mask
+                 mask: Tensor, visible: Tensor | None = None):
+        self.pool, self.index, self.mask, self.visible = pool, mla_index, mask, visible
         self.table, self.write_page, self.write_offset = table, write_page, write_offset
+        self.paged = visible is not None
 
-    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
-        """Write each row's new latents at their (page, offset), then read every row's pages through the table.
-        -> latents [B, P*page_size, C] and the mask (`StepBuffers.mask`).
+    def write(self, lat_BTC: Tensor) -> None:
+        """Write each row's new latents at their (page, offset).
         NOTE: padding rows write their latents into the zero page (offset 0), unmasked: real rows read the zero page
-        only where their mask is False, where the softmax weight is exactly 0 and 0 * a finite latent adds nothing;
-        `StaticDecoder` zeroes the page again after the forward, so between steps it is zero (cache.py)."""
+        only where their mask is False, where the softmax weight is exactly 0 and 0 * a finite latent adds nothing
+        (the paged kernel does not read them at all); `StaticDecoder` zeroes the page again after the forward, so
+        between steps it is zero (cache.py)."""
         mla = self.pool.mla
         mla[self.write_page, self.index, self.write_offset] = lat_BTC.to(mla.dtype)
-        return mla[self.table, self.index].flatten(1, 2), self.mask
+
+    def append(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor]:
+        """`write`, then read every row's pages through the table with one gather.
+        -> latents [B, P*page_size, C] and the mask (`StepBuffers.mask`)."""
+        self.write(lat_BTC)
+        return self.pool.mla[self.table, self.index].flatten(1, 2), self.mask
+
+    def append_paged(self, lat_BTC: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`write`, then hand over the pages for the kernel to read in place (openk3/ops/mla_decode.py
+        `paged_latent_attention`). -> (this layer's pages [num_pages, page_size, C] (a view of the pool), the table
+        [B, P], visible [B])."""
+        self.write(lat_BTC)
+        return self.pool.mla[:, self.index], self.table, self.visible
 
 
 class StepBuffers:
@@ -339,6 +356,12 @@ class StaticDecoder:
         # `recurrent`; eager only), and at one token a row the conv kernel its conv tails (ops/kda/conv_step.py)
         self.in_place = kda_in_place(self.device, compile)
         self.conv_in_place = self.in_place and conv_step_supported(self.device, slots.conv_all.dtype)
+        # the MLA layers' latent-space attention: the paged Triton kernel (openk3/ops/mla_decode.py) where it runs;
+        # a compiled step keeps the gather (the kernel under torch.compile is not tried)
+        self.mla_kernel, self.mla_reason = select_paged_attention(self.device, pool.dtype)
+        if self.mla_kernel and compile:
+            self.mla_kernel, self.mla_reason = False, "the step is compiled: the pages are gathered, then scored " \
+                                                      "in PyTorch"
         self.run = self._run
         if compile:
             # NOTE: dynamic=None: the first shape compiles static, a second one recompiles with dynamic sizes, so
@@ -357,7 +380,9 @@ class StaticDecoder:
         """The model's cache for a step over the buffers' T tokens a row (`token`: only that one of them): the KDA
         layers' slot states in order, a `StaticMLA` per MLA layer."""
         cols = slice(None) if token is None else slice(token, token + 1)
-        where = (buf.table, buf.write_page[:, cols], buf.write_offset[:, cols], buf.mask(token))
+        # the keys the last new token sees: the row's cached tokens and the T new ones (`token`: up to that one)
+        visible = buf.lengths + (buf.T if token is None else token + 1) if self.mla_kernel else None
+        where = (buf.table, buf.write_page[:, cols], buf.write_offset[:, cols], buf.mask(token), visible)
         kda, layers, mla_index = iter(kda), [], 0
         for kind in self.layer_types:
             if kind == "kda":

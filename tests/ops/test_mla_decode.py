@@ -1,0 +1,200 @@
+"""The paged MLA decode kernel (openk3/ops/mla_decode.py) against its reference (the gather + `latent_attention`, the
+math of `GatedMLA.attend_absorbed`), and the fast decode step running it against the general path.
+
+On the CPU the kernel runs in Triton's interpreter, in a child pytest started with TRITON_INTERPRET=1 (the
+`test_interpreted_*` tests). Skipped without triton (CI has none). The GPU test runs the real kernel.
+"""
+
+import pytest
+import torch
+
+from openk3.ops import mla_decode
+from openk3.ops.mla_decode import (latent_attention, paged_latent_attention, paged_latent_attention_reference,
+                                   select_paged_attention, split_keys, visible_mask)
+from tests.helpers import rel_norm_err, run_interpreted_child
+
+needs_triton = pytest.mark.skipif(mla_decode.triton is None, reason="triton is not installed")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# True in the child process `test_kernel_under_the_interpreter` starts (TRITON_INTERPRET=1 before triton's import)
+INTERPRETED = mla_decode.INTERPRET
+interpreted_only = pytest.mark.skipif(not INTERPRETED,
+                                      reason="runs in the child that test_kernel_under_the_interpreter starts")
+
+# fp32 matches to the order of the fp32 sums; fp16 and bf16 within their rounding of p and of o_lat. NOTE: the
+# interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest): its bf16 bound is loose, the GPU test's tight.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETED, reason="this is the child")
+def test_kernel_under_the_interpreter():
+    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
+    run_interpreted_child(__file__)
+
+
+def random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed, layers=2, layer=1, device="cpu"):
+    """A pool [N, layers, page_size, r + rope] of random latents (page 0 zero, as between steps), and for row b with
+    lengths[b] cached tokens (None: a padding row) a page table of distinct pages in shuffled pool order, padded with
+    page 0, and visible = lengths[b] + T. Every page a row does not own holds NaN, and so does its last page past its
+    keys, so a read of a key the row does not see shows.
+    -> (q_cat [B, T*H, r + rope], the layer's pages [N, page_size, r + rope], table [B, P], visible [B])."""
+    gen = torch.Generator().manual_seed(seed)
+    C = r + rope
+    N = 1 + sum(-(-(n + T) // page_size) for n in lengths if n is not None) + 3
+    pool = torch.full((N, layers, page_size, C), float("nan"))
+    order = (1 + torch.randperm(N - 1, generator=gen)).tolist()
+    table = torch.zeros(B, P, dtype=torch.long)
+    visible = torch.zeros(B, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if n is None:  # a padding row: the zero page, its T new latents written at offset 0
+            visible[b] = T
+            continue
+        pages = [order.pop() for _ in range(-(-(n + T) // page_size))]
+        table[b, :len(pages)] = torch.tensor(pages)
+        latents = torch.randn(len(pages) * page_size, C, generator=gen)
+        latents[n + T:] = float("nan")  # past the row's keys in its last page
+        pool[pages, layer] = latents.view(len(pages), page_size, C)
+        visible[b] = n + T
+    pool[0] = 0
+    pool[0, layer, 0] = torch.randn(C, generator=gen)  # what a padding row wrote
+    q = torch.randn(B, T * H, C, generator=gen)
+    return [t.to(device) for t in (q.to(dtype), pool.to(dtype)[:, layer], table, visible)]
+
+
+def test_visible_mask_is_the_step_buffers_mask():
+    """The kernel's visibility rule (`visible_mask`) is serve/static.py `StepBuffers.mask`'s, for a verification's T
+    tokens and for a draft step's one token."""
+    from openk3.serve.static import StepBuffers
+
+    buf = StepBuffers(3, 4, 4, "cpu", T=3)
+    buf.lengths.copy_(torch.tensor([5, 0, 11]))
+    assert torch.equal(visible_mask(buf.lengths + 3, 3, 16), buf.mask())
+    assert torch.equal(visible_mask(buf.lengths + 2, 1, 16), buf.mask(token=1))
+
+
+def test_the_reference_is_attend_absorbed_math():
+    """`paged_latent_attention_reference` is the gather then the decode step's scores, mask, softmax and p @ c."""
+    q, pages, table, visible = random_paged(3, 2, 4, 16, 8, 4, 4, [3, 6, None], torch.float32, seed=1)
+    pages = pages.nan_to_num(0.0)  # the gather reads whole pages: the dense reference multiplies them by p = 0
+    lat = pages[table].flatten(1, 2)
+    T, S = 2, lat.shape[1]
+    scores = torch.bmm(q, lat.transpose(1, 2)).view(3, T, 4, S) * 0.25
+    scores = scores.masked_fill(~visible_mask(visible, T, S).transpose(1, 2), float("-inf"))
+    want = torch.bmm(scores.softmax(-1).view(3, T * 4, S), lat[..., :16])
+    got = paged_latent_attention_reference(q, pages, table, visible, 0.25, 16, heads=4)
+    assert rel_norm_err(got, want) < 1e-6
+    assert torch.equal(latent_attention(q, lat, visible_mask(visible, T, S), 0.25, 16), got)
+
+
+@needs_triton
+def test_splits_depend_on_static_shapes_only():
+    assert split_keys(64, 1, 1024) == (4, 256)  # kimi-linear-1.5b at batch 64, 16 pages of 64
+    assert split_keys(1, 1, 1024) == (32, 32)  # batch 1: one block of keys a split
+    assert split_keys(1, 1, 64 * 1024) == (128, 512)  # capped at MAX_SPLITS
+    assert split_keys(512, 1, 1024) == (1, 1024)
+    splits, keys = split_keys(3, 2, 100, block_n=16)
+    assert keys % 16 == 0 and (splits - 1) * keys < 100 <= splits * keys
+
+
+def test_select_paged_attention_obeys_the_environment(monkeypatch):
+    monkeypatch.setenv(mla_decode.ENV, "0")
+    assert select_paged_attention("cpu", torch.float32)[0] is False
+    monkeypatch.setenv(mla_decode.ENV, "2")
+    with pytest.raises(ValueError, match="OPENK3_MLA_KERNEL"):
+        select_paged_attention("cpu", torch.float32)
+    if not INTERPRETED:
+        monkeypatch.setenv(mla_decode.ENV, "1")
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            select_paged_attention("cpu", torch.float32)
+
+
+CASES = [  # B, T, H, r, rope, page_size, P, lengths (None: a padding row)
+    (3, 1, 2, 16, 8, 4, 8, [0, 13, 30]),  # a row of length 1 (its own new key only), one whose table is full
+    (4, 1, 4, 24, 8, 5, 8, [7, None, 1, 19]),  # a padding row; r and page_size not powers of two
+    (2, 3, 2, 16, 8, 4, 4, [0, 9]),  # a verification's 3 tokens: causal among them
+    (2, 4, 8, 32, 16, 8, 4, [17, 3]),  # T*H = 32 query rows: two query blocks
+]
+
+
+@interpreted_only
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}")
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_interpreted_kernel_matches_the_reference(case, splits, dtype):
+    B, T, H, r, rope, page_size, P, lengths = case
+    q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B + T + H)
+    got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=splits, block_n=16)
+    want = paged_latent_attention_reference(q, pages.nan_to_num(0.0), table, visible, 0.3, r, H)
+    assert got.dtype == dtype and got.shape == (B, T * H, r)
+    assert torch.isfinite(got).all()  # the NaN pages past each row's keys were never read
+    assert rel_norm_err(got, want) < TOLERANCE[dtype]
+    if dtype == torch.float32:  # and no row is worse than the whole
+        for b in range(B):
+            assert rel_norm_err(got[b], want[b]) < 1e-5
+
+
+@interpreted_only
+def test_interpreted_a_row_that_sees_no_key_gives_zeros():
+    """visible = 0 (no caller passes it: a row sees at least its new token): zeros, not NaN, split or not."""
+    q, pages, table, visible = random_paged(2, 1, 2, 16, 8, 4, 4, [5, 6], torch.float32, seed=0)
+    visible[1] = 0
+    for splits in (1, 2):
+        got = paged_latent_attention(q, pages, table, visible, 0.3, 16, 2, splits=splits, block_n=16)
+        assert torch.isfinite(got).all() and got[1].abs().max() == 0 and got[0].abs().max() > 0
+
+
+@interpreted_only
+def test_interpreted_static_step_runs_the_kernel_and_equals_the_general_path():
+    """With the kernel (the interpreter counts as a device it runs on), the fast decode step's logits equal the
+    general path's for ragged batches that join and leave (tests/serve/test_static.py `ragged_decode`, fp32).
+    NOTE: dense models in this file: the interpreter also runs the MoE's Triton kernels, which took most of ~11
+    minutes with MoE layers."""
+    from openk3.serve.runner import ModelRunner
+    from tests.serve.test_cache import small_model
+    from tests.serve.test_static import ragged_decode
+
+    model = small_model("kimi-linear", seed=3, dense=True)
+    runners = [ModelRunner(model, num_pages=200, page_size=4),
+               ModelRunner(model, num_pages=200, page_size=4, slots=8)]
+    assert runners[1].decoder.mla_kernel, runners[1].decoder.mla_reason
+    ragged_decode(model, runners, steps=10)
+
+
+@interpreted_only
+def test_interpreted_static_verification_and_prefill_equal_the_general_path():
+    """The kernel's T > 1: a verification's k + 1 tokens (and the decode step after its rollback), prefill pieces of
+    up to 16 tokens. (A draft run's step i, `visible` = length + i + 1: `test_visible_mask_is_the_step_buffers_mask`.)"""
+    import tests.serve.test_static as static
+    from tests.helpers import rel_err
+    from tests.serve.test_cache import small_model
+
+    both = static.verify_both_ways(small_model("kimi-linear", seed=3, dense=True), keep=[1, 3, 4])
+    assert both["fast"][2].decoder.mla_kernel
+    assert rel_err(both["fast"][0], both["general"][0]) < 1e-5
+    assert rel_err(both["fast"][1], both["general"][1]) < 1e-5
+    (gen, _), (fast, _) = static.prefill_both_ways(small_model("k3", seed=5, dense=True), [[0] * 7, [0] * 16, [0] * 1])
+    assert rel_err(fast, gen) < 1e-5
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("T", [1, 4])
+def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
+    """kimi-linear-1.5b's MLA (16 heads, r = 512, rope = 64) on the engine bench's 64-token pages, ~640-token ragged
+    contexts (P = 16), bf16 and fp32, the split count the engine picks and one split."""
+    H, r, rope, page_size, P = 16, 512, 64, 64, 16
+    lengths = [600 + (37 * b) % 80 for b in range(B)]
+    if B > 1:
+        lengths[-1] = None  # a padding row
+    for dtype in (torch.bfloat16, torch.float32):
+        q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B,
+                                                layers=4, layer=2, device="cuda")
+        want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible,
+                                                0.07, r, H)
+        for splits in (None, 1):
+            got = paged_latent_attention(q, pages, table, visible, 0.07, r, H, splits=splits)
+            assert torch.isfinite(got).all()
+            # bf16: against the fp32 reference, within bf16's rounding of p and o_lat (about 2^-9 each)
+            assert rel_norm_err(got, want) < (1e-5 if dtype == torch.float32 else 6e-3), (dtype, splits)
