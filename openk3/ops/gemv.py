@@ -1,21 +1,23 @@
 """A linear layer at one to a few input rows in one Triton kernel, for forwards without gradients (issue #12).
 
 A decode step at batch 1 runs every projection of the model as a matrix-vector product. cuBLAS's kernels for
-them read the weights far below the H200's bandwidth at some shapes (`bench/decode_probe.py linear`, graph-replayed,
-kimi-linear-1.5b, tenth session; T = 1 row, us a call):
+them read the smaller weights far below the H200's bandwidth (`bench/decode_probe.py linear`, graph-replayed, each
+call reading its weight from HBM, kimi-linear-1.5b, tenth session; 1 row, us a call):
 
     shape (in -> out)                cuBLAS    this kernel
-    2048 -> 1536 (KDA o_proj)          7.58      2.74
-    1536 -> 1024 (shared gate_up)      9.84      2.42
-    128 -> 2048 (KDA f_b / g_b)        2.46      1.51
-    4096 -> 1536 (dense down)          6.24      3.84
-    1536 -> 6416 (KDA input proj)      6.10      4.75
-    1536 -> 32000 (lm_head)           26.58     25.45
+    2048 -> 1536 (KDA o_proj)          7.90      4.78
+    1536 -> 1024 (shared gate_up)     10.44      4.52
+    128 -> 2048 (KDA f_b / g_b)        2.44      1.86
+    512 -> 1536 (shared down)          3.47      2.04
+    4096 -> 1536 (dense down)          7.64      6.84
+    1536 -> 6416 (KDA input proj)      8.46     10.10   (cuBLAS: larger weights, GEMV_MAX_WEIGHT)
+    1536 -> 32000 (lm_head)           26.63     35.21
 
 One program computes BLOCK_N outputs of every row: it walks the input in BLOCK_K slices, reads each [BLOCK_N,
 BLOCK_K] tile of the weight once for all T rows, and accumulates the dot products in fp32; the result is rounded
 once to x's dtype (a matmul's precision: fp32 accumulation, only the summation order differs from cuBLAS). At 16
-rows cuBLAS's tensor-core kernels win by far (the same probe: 3-10x), so `gemv_applies` takes at most GEMV_MAX_ROWS.
+rows cuBLAS's tensor-core kernels win by far (a first probe: 3-10x), so `gemv_applies` takes at most GEMV_MAX_ROWS
+rows and GEMV_MAX_WEIGHT weight elements.
 
 Triton is optional: without it nothing here runs. With TRITON_INTERPRET=1 in the environment when this module is
 imported, the kernel runs in Triton's CPU interpreter on CPU tensors (the tests).
@@ -36,17 +38,21 @@ except ImportError:
 
 INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
-# NOTE: measured at 1 row (the table above); at 4 rows this kernel's first version, which read the weight once per
-# row, lost to cuBLAS on the large shapes. This one reads it once for all rows; 2 rows and more are not measured.
+# NOTE: measured on the H200 at 1, 2 and 4 rows, each call reading its weight from HBM (decode_probe.py linear, 20
+# weights cycled; tenth session): at 1 row this kernel won on every weight up to 6.3M elements (o_proj 4.78 us vs
+# 7.90, shared gate_up 4.52 vs 10.44, shared down 2.04 vs 3.47, f_b 1.86 vs 2.44, dense down 6.84 vs 7.64) and lost
+# on the larger ones (KDA's stacked input projection, 9.9M: 10.10 vs 8.46; dense gate_up 12.6M: 12.17 vs 8.77;
+# lm_head 49M: 35.21 vs 26.63), where cuBLAS reads at 2.3-3.7 TB/s. At 2 and 4 rows it won less often and by less.
 GEMV_MAX_ROWS = 1
+GEMV_MAX_WEIGHT = 2 ** 23  # elements: above it cuBLAS
 TILE = 2048  # weight elements a program reads per step (BLOCK_N x BLOCK_K): the best tiles of the probe
 
 
 def gemv_applies(x: Tensor, weight: Tensor) -> bool:
     """Whether `gemv` runs for F.linear(x, weight): Triton, CUDA (or the interpreter on the CPU), no gradient wanted,
     not inside torch.compile (Inductor makes its own kernels), x [..., K] of at most GEMV_MAX_ROWS rows with a
-    contiguous last dim, the weight [N, K] contiguous, both bf16 / fp16 / fp32 of one dtype, autocast off. Shapes and
-    flags only."""
+    contiguous last dim, the weight [N, K] contiguous and of at most GEMV_MAX_WEIGHT elements, both bf16 / fp16 / fp32
+    of one dtype, autocast off. Shapes and flags only."""
     if triton is None or weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return False
     if x.device.type != "cuda" and not (INTERPRET and x.device.type == "cpu"):
@@ -57,8 +63,8 @@ def gemv_applies(x: Tensor, weight: Tensor) -> bool:
         return False  # (under autocast F.linear would compute in the autocast dtype)
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    return 0 < x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1 \
-        and x.device == weight.device
+    return 0 < x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT \
+        and weight.is_contiguous() and x.stride(-1) == 1 and x.device == weight.device
 
 
 if triton is not None:

@@ -55,10 +55,11 @@ except ImportError:
 INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 # NOTE: the largest S = T*K sent to the GEMV kernels. Every slot reads its whole expert (3 F x D matrices), so past
-# some S the grouped GEMM, which reads each used expert once, wins. Measured on one H200 at kimi-linear-1.5b's shapes
-# (bench/moe_gemv.py, docs/engine.md): graph-replayed, GEMV is 5.9x / 3.9x / 2.0x faster at S = 4 / 16 / 64 and
-# 0.85x at S = 256; between 64 and 256 it is not measured.
-GEMV_MAX_SLOTS = 64
+# some S a kernel that reads each used expert once wins. Measured on one H200 at kimi-linear-1.5b's shapes
+# (bench/moe_gemv.py --layers 15, graph-replayed, tenth session), us a call of GEMV / by-expert (moe_by_expert.py) /
+# grouped+combine: S = 4: 13.0 / 22.5 / 70.7; S = 16: 23.5 / 28.3 / 86.7; S = 64: 63.0 / 44.4 / 119.2; S = 256:
+# 202.4 / 49.4 / 122.4. So GEMV up to 16 slots; between 16 and 64 (S = 32, batch 8) not measured.
+GEMV_MAX_SLOTS = 16
 
 # Tile sizes: rows of a weight matrix x elements along the dot product that one program reads per step (the
 # latter capped at the dot product's length, rounded up to a power of two). A memory-bound GEMV needs many bytes in
