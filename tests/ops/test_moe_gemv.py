@@ -398,9 +398,10 @@ def test_gemv_is_what_moe_experts_runs_at_decode_and_replays_in_a_cuda_graph(fre
 @cuda
 @needs_triton
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [65, 2048])
+@pytest.mark.parametrize("T", [257, 2048])
 def test_grouped_combined_matches_grouped_on_gpu(T):
-    """The grouped matmuls and `combine_slots` in bf16 at kimi-linear-1.5b's shapes (decode batch 65, a prefill chunk)
+    """The grouped matmuls and `combine_slots` in bf16 at kimi-linear-1.5b's shapes (decode batch 257, past the
+    by-expert kernels' BY_EXPERT_MAX_SLOTS; a prefill chunk)
     against the grouped path's index_add: only the fp32 sums' order differs before the one rounding to bf16; what
     `moe_experts` runs without grad."""
     s = KIMI_LINEAR_EXPERTS
