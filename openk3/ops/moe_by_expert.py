@@ -25,8 +25,8 @@ re-reads its tile from L2), at the precision of openk3/ops/moe.py's docstring: `
 data-dependent shapes, so it can be captured in the decode step's CUDA graph. `openk3.ops.moe_experts` sends a
 call here when `by_expert_applies` and the GEMV kernels do not take it.
 
-NOTE: not yet measured on a GPU: the crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) and the tiles
-are first guesses, for bench/moe_gemv.py to settle on an H200. Triton's interpreter (TRITON_INTERPRET=1) runs
+The crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) come from bench/moe_gemv.py on an H200 (see
+their NOTEs); the tiles are first guesses, not tuned. Triton's interpreter (TRITON_INTERPRET=1) runs
 the kernels on CPU tensors, as for moe_gemv.py.
 """
 

@@ -15,7 +15,7 @@ program per (row, q/k/v, channel block) reads its row's window where the pool ke
 which is `conv_silu_one_token` followed by `conv_tail` and the setter's `index_copy_` (tests/ops/test_conv_step.py).
 The window's values are promoted to fp32 as stored, the weights too; the sum over the window runs in another order
 than torch's (fp32 rounding apart); q, k, v are contiguous, so fla's decode kernel copies nothing. Programs of one
-row touch disjoint channels. Checked in the interpreter and compiled for sm_90; not yet run or timed on a GPU.
+row touch disjoint channels. Checked in the interpreter and on the H200 (its GPU tests); not timed alone.
 
 Triton is optional: without it `conv_step_applies` is False and the PyTorch chain runs. With TRITON_INTERPRET=1 in
 the environment at import, the kernel runs in Triton's CPU interpreter on CPU tensors (the tests).
