@@ -227,13 +227,14 @@ class MLP(nn.Module):
     def gemv(self, x: Tensor) -> Tensor | None:
         """The MLP as one expert through the routed experts' two GEMV kernels (ops/moe_gemv.py: every token routed
         to expert 0, the MLP's own weights viewed as [1, ...], with weight 1), or None where they do not run (more
-        than GEMV_MLP_TOKENS tokens, a gradient wanted, no GEMV backend for this device and dtype). Same numerics
+        than GEMV_MLP_TOKENS tokens, a gradient wanted, autocast on (the Linear calls then compute in its dtype), no
+        GEMV backend for this device and dtype). Same numerics
         contract as the Linear calls (each projection rounded to x's dtype, the activation in fp32 on the rounded
         values, the down projection accumulated in fp32): only the summation order differs. On the H200 at batch 1
         cuBLAS ran kimi-linear-1.5b's shared expert (1536 -> 2 x 512 -> 1536) as three kernels of 14.8 us a layer
         together, its gate/up GEMV at ~0.3 TB/s (`decode_probe.py modules:1`, tenth session)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        if x_TD.shape[0] > GEMV_MLP_TOKENS or torch.is_grad_enabled():
+        if x_TD.shape[0] > GEMV_MLP_TOKENS or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
             return None
         backend = select_moe_backend(x.device.type, x.dtype)
         if backend.small is None:

@@ -72,6 +72,19 @@ def test_interpreted_forward_takes_gemv_only_where_it_applies(monkeypatch):
     assert calls[-2:] == [small.shape, small.shape]  # the caller's `outs` skips it
 
 
+@interpreted_only
+def test_interpreted_autocast_keeps_the_linear_calls():
+    """Under autocast the Linear calls compute in the autocast dtype (as the routed experts and `Linear`'s GEMV
+    honour it): `MLP.gemv` steps aside instead of running the fp32 weights in fp32 and returning fp32."""
+    mlp = random_mlp(tiny(), 64, 96, torch.float32, "cpu", 4)
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mlp.gemv(x) is None
+        y = mlp(x)
+        ref = mlp.down_proj(mlp.act(mlp.gate_proj(x), mlp.up_proj(x)))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
+
+
 def test_one_expert_route_is_kept_per_device_and_dtype():
     x = torch.randn(3, 8)
     idx, w = model_module.one_expert_route(x)
