@@ -263,6 +263,8 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
     B, M, C = q_cat.shape
     if q_cat.stride(2) != 1:
         q_cat = q_cat.contiguous()
+    # the kernel walks a table row and `visible` by unit steps (no copy for the static step's own buffers)
+    table, visible = table.contiguous(), visible.contiguous()
     if pages.stride(2) != 1:
         raise ValueError(f"pages must be contiguous along the latent (strides {pages.stride()})")
     num_pages, page_size, _ = pages.shape

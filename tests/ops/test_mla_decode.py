@@ -135,6 +135,18 @@ def test_interpreted_kernel_matches_the_reference(case, splits, dtype):
 
 
 @interpreted_only
+def test_interpreted_strided_table_and_visible():
+    """A page table and `visible` that are views (every other column of a wider buffer): read as the tensors say."""
+    q, pages, table, visible = random_paged(3, 1, 2, 16, 8, 4, 4, [5, 9, 2], torch.float32, seed=7)
+    wide = torch.zeros(3, 2 * table.shape[1], dtype=table.dtype)
+    wide[:, ::2] = table
+    pairs = torch.zeros(3, 2, dtype=visible.dtype)
+    pairs[:, 0] = visible
+    got = paged_latent_attention(q, pages, wide[:, ::2], pairs[:, 0], 0.3, 16, 2, block_n=16)
+    assert torch.equal(got, paged_latent_attention(q, pages, table, visible, 0.3, 16, 2, block_n=16))
+
+
+@interpreted_only
 def test_interpreted_a_row_that_sees_no_key_gives_zeros():
     """visible = 0 (no caller passes it: a row sees at least its new token): zeros, not NaN, split or not."""
     q, pages, table, visible = random_paged(2, 1, 2, 16, 8, 4, 4, [5, 6], torch.float32, seed=0)
