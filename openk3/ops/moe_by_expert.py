@@ -1,8 +1,8 @@
 """Routed experts for small batches: each expert's weights read once for all its token slots (issue #12).
 
-Between decode at batch 1-16 (the GEMV kernels of moe_gemv.py, where every token slot reads its own expert: at
-S = 64 slots that is ~64 expert copies) and prefill (the grouped matmuls) lies decode at batch 16-256 and small
-prefill chunks. There the grouped path at inference (`moe_experts_grouped_combined`) ran, on one H200 at
+Between decode at batch 1-4 at K = 4 (the GEMV kernels of moe_gemv.py, S <= GEMV_MAX_SLOTS = 16, where every token
+slot reads its own expert: at S = 64 slots that would be ~64 expert copies) and prefill (the grouped matmuls) lies
+decode at batch 5-256 and small prefill chunks. There the grouped path at inference (`moe_experts_grouped_combined`) ran, on one H200 at
 kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (S = 256): three
 `torch._grouped_mm` reading the experts at ~2 TB/s (~73 us a layer for 151 MB) plus ~30 us of small ops
 (`expert_order`'s 9, the gather of x's rows, each matmul's prepare kernel, the activation, the scatter before

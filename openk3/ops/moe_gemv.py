@@ -20,7 +20,7 @@ everything else runs the backend chosen once (grouped or loop). No host syncs an
 it runs inside the CUDA-graph capture of the decode step (openk3/serve/static.py).
 
 A third kernel serves the grouped path at inference (`moe_experts_grouped_combined`: every forward without grad
-that the GEMV kernels do not take, prefill chunks above all): after the grouped matmuls (`grouped_expert_outputs`),
+that neither the GEMV kernels nor moe_by_expert.py's take, prefill chunks above all): after the grouped matmuls (`grouped_expert_outputs`),
 `combine_slots` weights each token's K expert outputs and sums them in fp32 in one pass, where moe_experts_grouped
 (which the backward needs) materialises an fp32 product of every slot and scatters it with an fp32 index_add.
 
