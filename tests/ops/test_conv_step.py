@@ -103,13 +103,19 @@ def test_kernels_under_the_interpreter():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernel on the CPU")
-def test_the_cpu_keeps_the_pytorch_chain():
+def test_the_cpu_keeps_the_pytorch_chain(monkeypatch):
     """Without the interpreter the kernel runs on CUDA only, for the dtypes it reads; not under autograd."""
     assert not conv_step_supported("cpu", torch.float32)
     assert not conv_step_supported("cuda", torch.float64)
     assert conv_step_supported("cuda", torch.bfloat16) == (conv_step.triton is not None)
-    qkv = torch.randn(2, 12, requires_grad=True)
-    assert not conv_step_applies(qkv, torch.zeros(3, 3, 12))
+    qkv, pool = torch.randn(2, 12, requires_grad=True), torch.zeros(3, 3, 12)
+    assert not conv_step_applies(qkv, pool)
+    # where it runs (the interpreter's CPU here: the flag alone, no kernel runs), only the gradient says no
+    monkeypatch.setattr(conv_step, "INTERPRET", True)
+    assert conv_step_applies(qkv.detach(), pool) == (conv_step.triton is not None)
+    assert not conv_step_applies(qkv, pool)
+    with torch.no_grad():
+        assert conv_step_applies(qkv, pool) == (conv_step.triton is not None)
 
 
 @needs_triton
