@@ -65,10 +65,14 @@ def test_interpreted_linear_module_takes_the_kernel_only_without_grad(monkeypatc
     assert calls == [1]
 
 
-def test_applies_only_where_it_can_run():
+def test_applies_only_where_it_can_run(monkeypatch):
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     if not INTERPRETED:
         assert not gemv_applies(x, w)  # the CPU without the interpreter
+    # the rest where the kernel runs (the interpreter's CPU: the flag alone is read here, no kernel runs), each
+    # against a call it takes
+    monkeypatch.setattr(gemv_module, "INTERPRET", True)
+    assert gemv_applies(x, w) == (gemv_module.triton is not None)
     assert not gemv_applies(torch.randn(GEMV_MAX_ROWS + 1, 64), w)
     assert not gemv_applies(x.double(), w.double())
     assert not gemv_applies(x, w.bfloat16())

@@ -131,10 +131,17 @@ def test_interpreted_router_bf16_strided_saturated():
     check_router_against_eager("cpu", 2, 32, 64, 4, True, 1.0, saturate=True)
 
 
-def test_router_kernel_applies_only_where_it_can_run():
+def test_router_kernel_applies_only_where_it_can_run(monkeypatch):
     x, weight = torch.randn(4, 64), torch.randn(32, 64)
     if not INTERPRETED:
         assert not router_kernel_applies(x, weight, 4)  # the CPU without the interpreter
+    # the rest where the kernel runs (the interpreter's CPU: the flag alone is read here, no kernel runs), each
+    # against a call it takes
+    monkeypatch.setattr(router_topk, "INTERPRET", True)
+    assert router_kernel_applies(x, weight, 4) == (router_topk.triton is not None)
+    assert router_kernel_applies(torch.randn(2 ** 24 // 64 // 32, 64), weight, 4) == (router_topk.triton is not None)
+    assert not router_kernel_applies(x, weight.requires_grad_(), 4)
+    weight.requires_grad_(False)
     assert not router_kernel_applies(x.double(), weight, 4)
     assert not router_kernel_applies(x, weight.t().contiguous().t(), 4)  # a non-contiguous weight
     assert not router_kernel_applies(x, weight[:, :32], 4)  # D does not match
@@ -142,10 +149,12 @@ def test_router_kernel_applies_only_where_it_can_run():
     assert not router_kernel_applies(torch.randn(2 ** 24 // 64 // 32 + 1, 64), weight, 4)  # past MAX_SCORE_MACS
 
 
-def test_applies_only_where_it_can_run():
+def test_applies_only_where_it_can_run(monkeypatch):
     logits = torch.randn(2, 32)
     if not INTERPRETED:
         assert not route_kernel_applies(logits, 4)  # the CPU without the interpreter
+    monkeypatch.setattr(router_topk, "INTERPRET", True)  # as above: where it runs
+    assert route_kernel_applies(logits, 4) == (router_topk.triton is not None)
     assert not route_kernel_applies(logits.double(), 4)
     assert not route_kernel_applies(logits, 33)
     assert not route_kernel_applies(logits.requires_grad_(), 4)
