@@ -398,11 +398,18 @@ class StaticDecoder:
         self.slots.clear_scratch()
         self.pool.mla[0].zero_()
 
+    def _gathered(self, buf: StepBuffers, tokens: int, chunked: bool = False) -> list[SlotKDAState]:
+        """The batch's slot states for a forward of `tokens` new tokens a row, every layer's rows gathered in one op
+        per kind, except what the in-place kernels update where the pool keeps it at one token a row (the recurrent
+        rows with fla's decode kernel, the conv tails with the conv kernel)."""
+        one = tokens == 1
+        return self.slots.view(buf.slots, gather=True, gather_recurrent=not (self.in_place and one),
+                               gather_conv=not (self.conv_in_place and one), chunked=chunked)
+
     def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
         the fp32 logits [B, V])."""
-        kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place,
-                              gather_conv=not self.conv_in_place)
+        kda = self._gathered(buf, tokens=1)
         logits = self.model(buf.ids, cache=self._cache(buf, kda), validate=False).logits[:, -1].float()
         self._reset_padding()
         top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast for it
@@ -442,8 +449,7 @@ class StaticDecoder:
         row's last token [B, V]. Its KDA layers run fla's chunked kernel over more than RECURRENT_SEGMENT_TOKENS
         tokens (`KDAState.chunked`): captured, it costs no host time."""
         # a one-token piece with fla updates the pool's rows in place, as a decode step (`_run`)
-        kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not (self.in_place and buf.T == 1),
-                              gather_conv=not (self.conv_in_place and buf.T == 1), chunked=True)
+        kda = self._gathered(buf, tokens=buf.T, chunked=True)
         logits = self.model(buf.ids, cache=self._cache(buf, kda), logits_to_keep=1, validate=False).logits[:, -1]
         self._reset_padding()
         return logits.float()
@@ -455,8 +461,7 @@ class StaticDecoder:
         [B, k]; the batch's states after steps 1..k, `SlotPool.snapshot` each)."""
         tokens, drafted, snapshots = buf.ids[:, :1], [], []
         for i in range(buf.T):
-            kda = self.slots.view(buf.slots, gather=True, gather_recurrent=not self.in_place,
-                                  gather_conv=not self.conv_in_place)
+            kda = self._gathered(buf, tokens=1)
             logits = self.model(tokens, cache=self._cache(buf, kda, token=i), validate=False).logits[:, -1]
             self._reset_padding()
             if i == buf.T - 1:
