@@ -27,9 +27,15 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                module) of B rows, grouped by the module that launched them (each layer's mixer, router, experts,
                shared experts, dense MLP, norms; the rest as "step"): count and device us a step, and each group's
                kernel names in order, written to <out>/modules_b<B>.json
+  router       the router kernel over its tiles and warps against the eager chain (cuBLAS, sigmoid, selection):
+               us a call at kimi-linear-1.5b's and K3's shapes
   linear       cuBLAS's F.linear against openk3/ops/gemv.py's kernel at kimi-linear-1.5b's decode shapes, 1 / 2 / 4
                rows, each timed as a CUDA graph of 20 calls over 20 weights (one a call): us a call and the weight
                bytes read a second
+  timeline:B   one engine step of B rows on its default path (CUDA graphs), every kernel in the order the device ran
+               it: its duration and the idle gap before it; totals (kernels, device-busy us, gap us, the span from
+               the first kernel's start to the last one's end) and the names by device time, to
+               <out>/timeline_b<B>.json
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -52,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import greedy, hardware, random_prompts  # noqa: E402
+from bench.moe_gemv import time_graph  # noqa: E402
 from bench.vs_transformers import profile_step  # noqa: E402
 from bench.vs_transformers_decode import build_checkpoint, engine_for, parse_args as bench_args  # noqa: E402
 from openk3.serve.cache import PagePool  # noqa: E402
@@ -220,26 +227,54 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
                                        for k in order}}
 
 
+def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = engine_for(model, args, B, prefix_cache=False)
+    prompts = random_prompts(B, 512, model.config.vocab_size, rng)
+    engine.generate(prompts, greedy(16))  # captures the buckets
+    reqs = [engine.submit(p, greedy(200)) for p in prompts]
+    while any(r.status != "running" for r in reqs):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    for r in reqs:
+        engine.cancel(r.id)
+    engine.step()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    rows, end, by_name = [], None, {}
+    for e in kernels:
+        start, dur = e.time_range.start, e.time_range.elapsed_us()
+        gap = 0.0 if end is None else max(0.0, start - end)
+        end = max(end or 0.0, start + dur)
+        rows.append({"name": e.name[:90], "us": round(dur, 2), "gap_us": round(gap, 2)})
+        g = by_name.setdefault(e.name[:90], [0, 0.0])
+        g[0] += 1
+        g[1] += dur
+    busy = sum(r["us"] for r in rows)
+    gaps = sum(r["gap_us"] for r in rows)
+    span = (end - kernels[0].time_range.start) if kernels else 0.0
+    total = {"kernels": len(rows), "busy_us": busy, "gap_us": gaps, "span_us": span}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    print(f"  timeline batch {B}: {len(rows)} kernels, {busy:.0f} us busy + {gaps:.0f} us gaps = {span:.0f} us span")
+    for name, (n, us) in top[:25]:
+        print(f"    {us:8.1f} us {n:4d}x  {name}")
+    (out_dir / f"timeline_b{B}.json").write_text(json.dumps(
+        {"total": total, "by_name": [{"name": k, "count": n, "us": us} for k, (n, us) in top], "kernels": rows},
+        indent=1))
+    return {"total": total, "top": [{"name": k, "count": n, "us": us} for k, (n, us) in top[:25]]}
+
+
 def part_linear() -> dict:
     import torch.nn.functional as F
 
     from openk3.ops.gemv import gemv
-
-    def graph_us(fn, calls: int = 20) -> float:
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            g.replay()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / 10 / calls * 1e6
 
     shapes = {"kda in (qkv, f_a, g_a, b)": (1536, 6416), "kda o_proj": (2048, 1536), "kda f_b / g_b": (128, 2048),
               "shared gate_up": (1536, 1024), "shared down": (512, 1536), "dense gate_up": (1536, 8192),
@@ -252,14 +287,49 @@ def part_linear() -> dict:
         for T in (1, 2, 4):
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
             it = iter(range(10 ** 9))
-            cublas = graph_us(lambda: F.linear(x, ws[next(it) % 20]))
-            triton_us = graph_us(lambda: gemv(x, ws[next(it) % 20]))
+            cublas = time_graph(lambda: F.linear(x, ws[next(it) % 20]), 20, 10)
+            triton_us = time_graph(lambda: gemv(x, ws[next(it) % 20]), 20, 10)
             err = ((gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).norm() / F.linear(x, ws[0]).float().norm()).item()
             gbs = N * K * 2 / 1e3
             out[f"{name} T={T}"] = {"cublas_us": cublas, "gemv_us": triton_us, "rel_err": err,
                                     "cublas_GBps": gbs / cublas, "gemv_GBps": gbs / triton_us}
             print(f"  {name:28s} T={T}  cuBLAS {cublas:7.2f} us ({gbs / cublas:5.0f} GB/s)  gemv {triton_us:7.2f} us "
                   f"({gbs / triton_us:5.0f} GB/s)  rel err {err:.1e}", flush=True)
+    return out
+
+
+def part_router() -> dict:
+    """The router kernel (ops/router_topk.py) at kimi-linear-1.5b's shape (32 experts, D 1536, top 4) and K3's (896,
+    7168, top 16) over its tiles and warps, against the eager chain (cuBLAS's fp32 matmul, the sigmoid, the selection
+    kernel), each timed as a CUDA graph of 15 calls over 15 weights."""
+    import torch.nn.functional as F
+
+    from openk3.ops.router_topk import route_topk, router_forward
+
+    out = {}
+    for E, D, k in ((32, 1536, 4), (896, 7168, 16)):
+        ws = [torch.randn(E, D, device="cuda", dtype=torch.bfloat16) * D ** -0.5 for _ in range(15)]
+        bias = torch.randn(E, device="cuda") * 0.1
+        for T in (1, 16, 64) if E == 32 else (1, 2):
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            it = iter(range(10 ** 9))
+            row = {"eager_us": time_graph(lambda: route_topk(torch.sigmoid(F.linear(x.float(), ws[next(it) % 15].float())),
+                                                             bias, k, True, 1.0), 15, 10)}
+            ref = router_forward(x, ws[0], bias, k, True, 1.0)
+            variants = [None] + [(be, bd) for be in (1, 2, 4, 8) for bd in (256, 512, 1024, 2048) if be * bd <= 8192]
+            for blocks in variants:
+                for warps in (2, 4, 8):
+                    got = router_forward(x, ws[0], bias, k, True, 1.0, blocks=blocks, warps=warps)
+                    if not torch.equal(got[0], ref[0]):
+                        row[f"{blocks} w{warps}"] = "picks differ"
+                        continue
+                    row[f"{blocks} w{warps}"] = time_graph(
+                        lambda: router_forward(x, ws[next(it) % 15], bias, k, True, 1.0, blocks=blocks, warps=warps),
+                        15, 10)
+            best = min((v, n) for n, v in row.items() if isinstance(v, float) and n != "eager_us")
+            print(f"  router E={E} D={D} T={T}: eager {row['eager_us']:.2f} us, default {row['None w4']:.2f} us, "
+                  f"best {best[0]:.2f} us ({best[1]})", flush=True)
+            out[f"E{E} T{T}"] = row
     return out
 
 
@@ -372,7 +442,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, attn, linear, hit, prefill:L[:B[:C]], modules:B, decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, attn, linear, hit, prefill:L[:B[:C]], modules:B, timeline:B, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -404,8 +474,12 @@ def main() -> None:
                 results[name] = part_prefill(model, args, rng, L, B, C, a.out)
             elif name == "linear":
                 results[name] = part_linear()
+            elif name == "router":
+                results[name] = part_router()
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
+            elif name.startswith("timeline:"):
+                results[name] = part_timeline(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("decode:"):
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)

@@ -18,13 +18,16 @@ another of the tied experts than torch.topk does, whose order for ties is unspec
 At decode sizes the matmul before it goes into a kernel too (`router_kernel_applies`, `router_forward`): the eager
 `sigmoid(F.linear(x.float(), weight.float()))` is four or five kernels a layer at batch 1 (two casts, cuBLAS's dot
 and its reduction, the sigmoid: 10.6 us a layer on the H200, kimi-linear-1.5b, `decode_probe.py modules:1`, tenth
-session). One program per token and block of experts computes its scores: the fp32 dot products of x with the
-router weight's rows (both read in their own dtype and promoted: a bf16 x bf16 product is exact in fp32, so only the
-summation order differs from the eager matmul), the sigmoid 1 / (1 + exp(-z)), and, when one block holds every
-expert (E <= MAX_FUSED_EXPERTS), the selection above in the same program: one kernel for the whole router. Larger
-E (K3's 896) writes the scores and runs the selection kernel after. The scores are then not bit-equal to the eager
+session). The scores of one token are split over programs of a few experts each, so that every weight row is read
+at once (one program per token, scoring its 32 experts and selecting, took 13.2 us a layer on the H200 at any batch
+size, `decode_probe.py timeline:1`, eleventh session): each computes the fp32 dot products of x with its experts'
+weight rows (both read in their own dtype and promoted: a bf16 x bf16 product is exact in fp32, so only the
+summation order differs from the eager matmul) and the sigmoid 1 / (1 + exp(-z)), stores them, and takes a ticket
+(an atomic counter per token); the token's last program reads all E scores back and selects: one kernel for the
+whole router at any E. Up to RANK_MAX_EXPERTS the selection is one comparison of every pair (an expert's rank is
+the number ahead of it), whose renormalising sum is a tree over the picks. The scores are not bit-equal to the eager
 chain's (summation order, Triton's exp): within ~1e-6 relative; the picks differ only at near-ties of s + bias.
-Each token's scores come from its own program whatever the batch, so a token routes the same in a decode step, a
+Each token's scores come from its own programs whatever the batch, so a token routes the same in a decode step, a
 speculative verification and a short cached prefill. Above MAX_SCORE_MACS (T * E * D: prefill chunks, K3 at batch
 >= 16) cuBLAS's matmul runs, as before.
 
@@ -47,13 +50,16 @@ except ImportError:
 
 INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 MAX_EXPERTS = 4096  # one program holds a token's E scores in registers (K3: 896)
-MAX_FUSED_EXPERTS = 256  # `router_forward`: one program computes all E scores and selects (kimi-linear-1.5b: 32)
 # `router_forward` at most this many multiply-adds (T * E * D): every program reads its experts' weight rows, so
 # at large T cuBLAS's matmul, which reads them once, is the better kernel. kimi-linear-1.5b's decode step at batch
 # 64 is 3.1e6, K3's at batch 1 6.4e6; a prefill chunk of 8,192 tokens 4e8 (cuBLAS). NOTE: the crossover is not
 # measured; the bound keeps every size that was (decode) on the kernel.
 MAX_SCORE_MACS = 2 ** 24
-BLOCK_EXPERTS = 64  # experts a program scores when E > MAX_FUSED_EXPERTS
+# `router_forward`'s programs: each scores BLOCK_E experts of one token, the largest power of two of rows of D that
+# fit in TILE elements (kimi-linear-1.5b, D = 1536: 4 experts, 8 programs a token; K3, D = 7168: 1, 896 programs),
+# at most MAX_ROWS, reading CHUNK elements a step. The selection compares every pair of experts at once up to
+# RANK_MAX_EXPERTS (a BLOCK x BLOCK tile), else takes the k largest one after the other.
+TILE, CHUNK, MAX_ROWS, RANK_MAX_EXPERTS = 8192, 2048, 16, 64
 
 
 def route_kernel_applies(scores_TE: Tensor, k: int) -> bool:
@@ -103,25 +109,52 @@ if triton is not None:
         _select(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K, BLOCK_E, BLOCK_K, RENORM)
 
     @triton.jit
-    def _router_kernel(x_ptr, x_stride, weight_ptr, scores_ptr, bias_ptr, idx_ptr, w_ptr, scale, E, D,
-                       K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                       RENORM: tl.constexpr, SELECT: tl.constexpr):
+    def _select_by_rank(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                        RENORM: tl.constexpr):
+        """`_select` for small E in one comparison: expert e's rank is the number of experts ahead of it (a larger
+        score + bias, or an equal one at a lower index), so the picks are the ranks 0..K-1 in `_select`'s order;
+        each is stored at its rank. The renormalising sum is a tree over the picks (not left to right)."""
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        sel = tl.where(valid, s + tl.load(bias_ptr + offs, mask=valid, other=0.0), float("-inf"))
+        ahead = (sel[None, :] > sel[:, None]) | ((sel[None, :] == sel[:, None]) & (offs[None, :] < offs[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), axis=1)
+        picked = valid & (rank < K)
+        weight = s
+        if RENORM:
+            weight = weight / tl.sum(tl.where(picked, s, 0.0), axis=0)
+        weight = weight * scale
+        tl.store(idx_ptr + t * K + rank, offs.to(tl.int64), mask=picked)
+        tl.store(w_ptr + t * K + rank, weight, mask=picked)
+
+    @triton.jit
+    def _router_kernel(x_ptr, x_stride, weight_ptr, scores_ptr, bias_ptr, idx_ptr, w_ptr, tickets_ptr, scale, E,
+                       D: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, RANK: tl.constexpr, RENORM: tl.constexpr):
         """Program (t, j): token t's scores of experts j * BLOCK_E ... (fp32 dot products over D, sigmoid), stored;
-        with SELECT (one block holds every expert) its picks and weights too."""
+        the last of token t's programs to finish (its ticket) then reads all E scores back and selects."""
         t = tl.program_id(0).to(tl.int64)
         es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         valid = es < E
         acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
+        for d0 in tl.static_range(0, D, BLOCK_D):  # unrolled (D is fixed per model): every load in flight at once
             ds = d0 + tl.arange(0, BLOCK_D)
             x = tl.load(x_ptr + t * x_stride + ds, mask=ds < D, other=0.0).to(tl.float32)
             w = tl.load(weight_ptr + es[:, None] * D + ds[None, :], mask=valid[:, None] & (ds[None, :] < D),
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
-        s = 1.0 / (1.0 + tl.exp(-acc))
-        tl.store(scores_ptr + t * E + es, s, mask=valid)
-        if SELECT:
-            _select(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K, BLOCK_E, BLOCK_K, RENORM)
+        tl.store(scores_ptr + t * E + es, 1.0 / (1.0 + tl.exp(-acc)), mask=valid)
+        # acq_rel: this program's scores are visible to whichever program takes the last ticket, and that one sees
+        # every other program's
+        ticket = tl.atomic_add(tickets_ptr + t, 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) - 1:
+            offs = tl.arange(0, BLOCK_ALL)
+            s = tl.load(scores_ptr + t * E + offs, mask=offs < E, other=0.0, cache_modifier=".cg")
+            if RANK:
+                _select_by_rank(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K, BLOCK_ALL, RENORM)
+            else:
+                _select(s, bias_ptr, idx_ptr, w_ptr, t, scale, E, K, BLOCK_ALL, BLOCK_K, RENORM)
+            tl.store(tickets_ptr + t, 0)  # for the next call
 
 
 def route_topk(scores_TE: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -156,10 +189,29 @@ def router_kernel_applies(x_TD: Tensor, weight_ED: Tensor, k: int) -> bool:
         and x_TD.numel() * E <= MAX_SCORE_MACS
 
 
-def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, renorm: bool,
-                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def tickets(device: torch.device, n: int) -> Tensor:
+    """n int32 zeros that `router_forward`'s kernel counts each token's finished programs in (the last one resets its
+    counter to 0), kept per device so that a decode step does not zero them every call.
+    NOTE: not kept when made while a CUDA graph is being captured (a fill captured there runs only at replay: that
+    graph then zeroes its own counters before each replay). Two router kernels running at the same time on two streams
+    of one device would share the counters: openk3 runs its forwards on one stream at a time."""
+    made = _TICKETS.get(device)
+    if made is None or made.numel() < n:
+        made = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        if not (made.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _TICKETS[device] = made
+    return made
+
+
+_TICKETS: dict[torch.device, Tensor] = {}
+
+
+def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: float,
+                   blocks: tuple[int, int] | None = None, warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """`Router.forward` from its input x [T, D]: (topk_idx [T, k] int64, topk_w [T, k] fp32, scores [T, E] fp32),
-    scores = sigmoid(x . weight^T) in fp32 (module docstring). Only where `router_kernel_applies`."""
+    scores = sigmoid(x . weight^T) in fp32 (module docstring). Only where `router_kernel_applies`.
+    blocks: (experts a program scores, elements of D it reads a step), powers of two, and warps: a program's warps,
+    for the bench; None = the module's (TILE, CHUNK, MAX_ROWS)."""
     T, D = x_TD.shape
     E = weight_ED.shape[0]
     device = x_TD.device
@@ -169,12 +221,15 @@ def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, reno
     if not T:
         return idx, w, scores
     bias = bias_E.float().contiguous()
-    fused = E <= MAX_FUSED_EXPERTS
-    block_e = triton.next_power_of_2(E) if fused else BLOCK_EXPERTS
-    block_d = max(16, min(triton.next_power_of_2(D), 8192 // block_e))  # a [BLOCK_E, BLOCK_D] tile of <= 8K values
+    if blocks is None:
+        rows = max(1, TILE // D)
+        block_e = min(1 << (rows.bit_length() - 1), MAX_ROWS, triton.next_power_of_2(E))
+        block_d = max(16, min(triton.next_power_of_2(D), CHUNK // block_e))
+    else:
+        block_e, block_d = blocks
+    block_all = triton.next_power_of_2(E)
     _router_kernel[(T, triton.cdiv(E, block_e))](
-        x_TD, x_TD.stride(0), weight_ED, scores, bias, idx, w, float(scale), E, D, K=k, BLOCK_E=block_e,
-        BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), RENORM=bool(renorm), SELECT=fused)
-    if not fused:
-        idx, w = route_topk(scores, bias, k, renorm, scale)
+        x_TD, x_TD.stride(0), weight_ED, scores, bias, idx, w, tickets(device, T), float(scale), E, D, K=k,
+        BLOCK_E=block_e, BLOCK_D=block_d, BLOCK_ALL=block_all, BLOCK_K=triton.next_power_of_2(k),
+        RANK=block_all <= RANK_MAX_EXPERTS, RENORM=bool(renorm), num_warps=warps)
     return idx, w, scores

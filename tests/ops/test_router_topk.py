@@ -94,8 +94,9 @@ def test_interpreted_router_module_uses_kernel_without_grad_only():
 
 
 def check_router_against_eager(device, T, E, D, k, renorm, scale, dtype=torch.float32, strided=False,
-                               saturate=False):
-    """`router_forward` from x against the eager chain from the matmul (`eager_chain`, fp32 math)."""
+                               saturate=False, blocks=None):
+    """`router_forward` from x against the eager chain from the matmul (`eager_chain`, fp32 math), twice (the
+    second call counts its programs in the counters the first reset)."""
     g = torch.Generator().manual_seed(100 * E + D + T)
     x = torch.randn(T, 2 * D if strided else D, generator=g)[:, :D]  # strided: rows 2D apart
     weight = torch.randn(E, D, generator=g) * D ** -0.5 * 3
@@ -105,16 +106,17 @@ def check_router_against_eager(device, T, E, D, k, renorm, scale, dtype=torch.fl
     x, weight, bias = x.to(device, dtype), weight.to(device, dtype), bias.to(device)
     ref_idx, ref_w, ref_s = eager_chain(x.float() @ weight.float().T, bias, k, renorm, scale)
     assert router_kernel_applies(x, weight, k)
-    idx, w, s = router_forward(x, weight, bias, k, renorm, scale)
-    assert idx.dtype == torch.int64 and w.dtype == s.dtype == torch.float32
-    torch.testing.assert_close(s, ref_s, rtol=2e-6, atol=1e-7)
-    assert torch.equal(idx, ref_idx)
-    torch.testing.assert_close(w, ref_w, rtol=4e-6, atol=0)
+    for _ in range(2):
+        idx, w, s = router_forward(x, weight, bias, k, renorm, scale, blocks=blocks)
+        assert idx.dtype == torch.int64 and w.dtype == s.dtype == torch.float32
+        torch.testing.assert_close(s, ref_s, rtol=2e-6, atol=1e-7)
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(w, ref_w, rtol=4e-6, atol=0)
     if saturate:
         assert (s[0, 0] == 1.0).item() and s[0, 1].item() < 1e-30
 
 
-# (T, E, D, k, renorm, scale): one kernel for E <= MAX_FUSED_EXPERTS, scores then selection above
+# (T, E, D, k, renorm, scale): the selection by rank up to RANK_MAX_EXPERTS, one pick after the other above
 ROUTER_CASES = [(1, 32, 96, 4, True, 1.0), (5, 32, 100, 4, False, 2.5), (3, 300, 64, 8, True, 1.0),
                 (2, 8, 48, 2, True, 0.7)]
 
@@ -123,6 +125,13 @@ ROUTER_CASES = [(1, 32, 96, 4, True, 1.0), (5, 32, 100, 4, False, 2.5), (3, 300,
 @pytest.mark.parametrize("T,E,D,k,renorm,scale", ROUTER_CASES)
 def test_interpreted_router_equals_eager_chain(T, E, D, k, renorm, scale):
     check_router_against_eager("cpu", T, E, D, k, renorm, scale)
+
+
+@interpreted_only
+@pytest.mark.parametrize("E,k", [(32, 4), (100, 6)])
+def test_interpreted_router_one_expert_a_program(E, k):
+    """Every expert's score from its own program, D read in six steps: the last of a token's E programs selects."""
+    check_router_against_eager("cpu", 3, E, 96, k, True, 1.0, blocks=(1, 16))
 
 
 @interpreted_only
@@ -179,4 +188,5 @@ def test_gpu_saturated_scores():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_router_equals_eager_chain(T, E, D, k, dtype):
     check_router_against_eager("cuda", T, E, D, k, True, 1.0, dtype=dtype)
+    check_router_against_eager("cuda", T, E, D, k, True, 1.0, dtype=dtype, blocks=(1, 256))
     check_router_against_eager("cuda", 2, E, D, k, True, 1.0, dtype=dtype, saturate=True)
