@@ -41,7 +41,7 @@ from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
 from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
 from openk3.ops.mla_decode import latent_attention, paged_latent_attention
 from openk3.ops.moe import route
-from openk3.ops.moe_gemv import GLUSpec, gemv_applies
+from openk3.ops.moe_gemv import GLUSpec, gemv_applies, moe_experts_gemv
 from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
@@ -234,16 +234,24 @@ class MLP(nn.Module):
         cuBLAS ran kimi-linear-1.5b's shared expert (1536 -> 2 x 512 -> 1536) as three kernels of 14.8 us a layer
         together, its gate/up GEMV at ~0.3 TB/s (`decode_probe.py modules:1`, tenth session)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        if x_TD.shape[0] > GEMV_MLP_TOKENS or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            return None
-        backend = select_moe_backend(x.device.type, x.dtype)
-        if backend.small is None:
+        weights = self.gemv_weights(x_TD)
+        if weights is None:
             return None
         idx, w = one_expert_route(x_TD)
-        weights = (self.gate_proj.weight[None], self.down_proj.weight[None], self.up_proj.weight[None])
-        if not gemv_applies(x_TD, idx, w, *weights, self.act) or any(p.dtype != x.dtype for p in weights):
+        return moe_experts_gemv(x_TD, idx, w, *weights, self.act).view(*x.shape[:-1], -1)
+
+    def gemv_weights(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """This MLP's (gate, down, up) weights viewed as one expert [1, ...] where `gemv` runs for x [T, D], else
+        None (no sync: shapes and flags only)."""
+        if x_TD.shape[0] > GEMV_MLP_TOKENS or torch.is_grad_enabled() or torch.is_autocast_enabled(x_TD.device.type):
             return None
-        return backend.small(x_TD, idx, w, *weights, self.act).view(*x.shape[:-1], -1)
+        if select_moe_backend(x_TD.device.type, x_TD.dtype).small is None:
+            return None
+        weights = (self.gate_proj.weight[None], self.down_proj.weight[None], self.up_proj.weight[None])
+        idx, w = one_expert_route(x_TD)
+        if not gemv_applies(x_TD, idx, w, *weights, self.act) or any(p.dtype != x_TD.dtype for p in weights):
+            return None
+        return weights
 
 
 # NOTE: `MLP.gemv` up to this many tokens. Measured on the H200 at batch 1 only (tenth session); at 16 tokens the
@@ -862,6 +870,8 @@ class MoE(nn.Module):
         idx, w, scores = self.gate(x_TD)
         if record is not None:
             record(scores, idx)
+        if not qat and (y := self.experts_with_shared(x_TD, idx, w)) is not None:
+            return y.view(shape)
         # a LatentMoE's fused matmul: its down projection and the shared experts' gate_proj and up_proj (all read
         # x_TD; keys "routed_expert_down_proj", "gate_proj", "up_proj"). A plain MoE's shared experts fuse their own.
         outs = fused_outputs(self, x_TD)
@@ -876,6 +886,25 @@ class MoE(nn.Module):
         if hasattr(self, "shared_experts"):
             u = u + self.shared_experts(x_TD, outs)
         return u.view(shape)
+
+    def experts_with_shared(self, x_TD: Tensor, idx: Tensor, w: Tensor) -> Tensor | None:
+        """A plain MoE's routed and shared experts, `routed + shared`, in the routed experts' two GEMV kernels
+        (ops/moe_gemv.py `moe_experts_gemv` with `shared`: the shared experts one more slot of every token, the add
+        in the down kernel; same roundings as `forward`'s), or None where that does not run: a LatentMoE, no shared
+        experts, where `MLP.gemv` or the routed experts' GEMV kernels would not run, experts whose forward is not
+        `Experts.forward` (expert parallelism swaps it), or a shared width other than the experts'. On the H200 at
+        batch 1 the shared experts' own two kernels and the add took ~9 us of a MoE layer's ~40
+        (`decode_probe.py timeline:1`, kimi-linear-1.5b, eleventh session)."""
+        if self.latent or not hasattr(self, "shared_experts") or type(self.experts).forward is not Experts.forward \
+                or "forward" in vars(self.experts):
+            return None
+        shared = self.shared_experts.gemv_weights(x_TD)
+        experts = (self.experts.w1, self.experts.w2, self.experts.w3)
+        if shared is None or shared[0].shape[1:] != experts[0].shape[1:] or shared[0].dtype != experts[0].dtype \
+                or not gemv_applies(x_TD, idx, w, *experts, self.act):
+            return None
+        # the routing weights rounded to x's dtype, as Experts.forward gives them to the experts
+        return moe_experts_gemv(x_TD, idx, w.to(x_TD.dtype), *experts, self.act, shared=tuple(p[0] for p in shared))
 
 
 # --------------------------------------------------------------------------------- decoder layer
@@ -929,14 +958,21 @@ class DecoderLayer(nn.Module):
     def forward(self, prefix: Tensor | None, bank: list[Tensor], dtype: torch.dtype, ctx: "ForwardContext",
                 layer_cache=None) -> tuple[Tensor, list[Tensor]]:
         """Block AttnRes wiring exactly as K3_SPEC section 3 (fp32 `prefix` and `bank`); plain residual when the
-        config has no block size."""
+        config has no block size. With the plain residual `bank` carries no blocks but the FFN output of the layer
+        before, not yet added to `prefix`: this layer adds it in its input norm (`RMSNorm.add`, with fla at inference
+        one kernel for the add and the norm: the same sum and the same norm of it as the add and `from_residual`) and
+        returns its own FFN output the same way, [ffn]; `K3ForCausalLM.forward` adds the last one."""
         # NOTE: fp32 + a bf16 sublayer output is one op: the add promotes the output to fp32 exactly, as a .float()
         # before it would, without that extra cast per sublayer (docs/engine.md "Fast decode path"). The residual
         # stays in the dtype `K3ForCausalLM.forward` gave it (fp32; an fp64 model's fp64), never narrower.
         if self.block_size is None:
-            a = self.mixer(self.input_layernorm.from_residual(prefix, dtype), ctx, layer_cache)
+            if bank:
+                x, prefix = self.input_layernorm.add(bank[0], prefix, dtype)
+            else:
+                x = self.input_layernorm.from_residual(prefix, dtype)
+            a = self.mixer(x, ctx, layer_cache)
             x, h = self.post_attention_layernorm.add(a, prefix, dtype)
-            return h + self.ffn(x, ctx), bank
+            return h, [self.ffn(x, ctx)]
         h = self.mix(prefix, bank, self.self_attention_res_norm, self.self_attention_res_proj, "attn", ctx) if bank \
             else prefix
         if self.i % self.block_size == 0:
@@ -1164,7 +1200,7 @@ class K3ForCausalLM(nn.Module):
                 h, w = h
                 ctx.add_attnres("output", w)
         else:
-            h = prefix
+            h = prefix + bank[0] if bank else prefix  # the last layer's FFN output (DecoderLayer.forward)
         if logits_to_keep > 0:
             if labels is not None:
                 raise ValueError(f"logits_to_keep={logits_to_keep} cannot be combined with labels (the loss needs all)")

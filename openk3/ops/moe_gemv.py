@@ -184,22 +184,30 @@ if triton is not None:
         return h.to(dtype)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, E, F: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                        stride_xt, stride_xd, stride_we, stride_wf, stride_wd,
+    def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, w1s_ptr, w3s_ptr, h_ptr, E, S, F: tl.constexpr,
+                        D: tl.constexpr, K: tl.constexpr, stride_xt, stride_xd, stride_we, stride_wf, stride_wd,
                         SITU: tl.constexpr, beta, linear_beta, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-        """h[s, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for slot s = t*K + k, e = idx[s].
+        """h[s, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for slot s = t*K + k, e = idx[s]; the slots
+        s = S + t past the S routed ones (when the grid has them: the shared expert) run token t through w1s, w3s.
         F, D, K are compile-time constants: fixed per model, so one compile per layer shape, and the loops' trip counts
         are known. NOTE: also because the interpreter (TRITON_INTERPRET, the CPU tests) with numpy 2.4 cannot loop
         `range` over a runtime int argument."""
         s = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        t = s // K
-        # NOTE: ids are not range-checked (a check would sync); clamping keeps an id outside 0..E-1 from reading
-        # outside the weights (its slot is then wrong, as with moe_experts_grouped). int64: e * E*F*D overflows
-        # int32 at the release's sizes
-        e = tl.minimum(tl.maximum(tl.load(idx_ptr + s).to(tl.int64), 0), E - 1)
+        if s < S:
+            t = s // K
+            # NOTE: ids are not range-checked (a check would sync); clamping keeps an id outside 0..E-1 from reading
+            # outside the weights (its slot is then wrong, as with moe_experts_grouped). int64: e * E*F*D overflows
+            # int32 at the release's sizes
+            e = tl.minimum(tl.maximum(tl.load(idx_ptr + s).to(tl.int64), 0), E - 1)
+            w1_at = w1_ptr + e * stride_we
+            w3_at = w3_ptr + e * stride_we
+        else:
+            t = s - S
+            w1_at = w1s_ptr
+            w3_at = w3s_ptr
         f_mask = f < F
-        w_rows = e * stride_we + f[:, None].to(tl.int64) * stride_wf
+        w_rows = f[:, None].to(tl.int64) * stride_wf
         gate = tl.zeros((BLOCK_F,), dtype=tl.float32)
         up = tl.zeros((BLOCK_F,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -208,17 +216,34 @@ if triton is not None:
             x = tl.load(x_ptr + t * stride_xt + d * stride_xd, mask=d_mask, other=0.0).to(tl.float32)
             mask = f_mask[:, None] & d_mask[None, :]
             w_at = w_rows + d[None, :] * stride_wd
-            w1 = tl.load(w1_ptr + w_at, mask=mask, other=0.0).to(tl.float32)
-            w3 = tl.load(w3_ptr + w_at, mask=mask, other=0.0).to(tl.float32)
+            w1 = tl.load(w1_at + w_at, mask=mask, other=0.0).to(tl.float32)
+            w3 = tl.load(w3_at + w_at, mask=mask, other=0.0).to(tl.float32)
             gate += tl.sum(w1 * x[None, :], axis=1)
             up += tl.sum(w3 * x[None, :], axis=1)
         h = glu_rounded(gate, up, h_ptr.dtype.element_ty, SITU, beta, linear_beta)
         tl.store(h_ptr + s * F + f, h, mask=f_mask)
 
     @triton.jit
-    def _down_kernel(h_ptr, idx_ptr, topk_w_ptr, w2_ptr, y_ptr, E, F: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                     stride_we, stride_wd, stride_wf, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-        """y[t, d] = sum_k topk_w[t, k] * round(h[t*K + k] . w2[e, d]) in fp32, cast to y's dtype."""
+    def _down_rows(h_ptr, w2_at, d, d_mask, stride_wd, stride_wf, F: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_F: tl.constexpr):
+        """h [F] (at h_ptr) . w2 [d, :] (rows at w2_at) in fp32, for the BLOCK_D rows d."""
+        w_rows = w2_at + d[:, None].to(tl.int64) * stride_wd
+        out = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            f = f0 + tl.arange(0, BLOCK_F)
+            f_mask = f < F
+            h = tl.load(h_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_rows + f[None, :] * stride_wf, mask=d_mask[:, None] & f_mask[None, :],
+                         other=0.0).to(tl.float32)
+            out += tl.sum(w2 * h[None, :], axis=1)
+        return out
+
+    @triton.jit
+    def _down_kernel(h_ptr, idx_ptr, topk_w_ptr, w2_ptr, w2s_ptr, y_ptr, E, S, F: tl.constexpr, D: tl.constexpr,
+                     K: tl.constexpr, stride_we, stride_wd, stride_wf, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_F: tl.constexpr):
+        """y[t, d] = sum_k topk_w[t, k] * round(h[t*K + k] . w2[e, d]) in fp32, cast to y's dtype; with SHARED, plus
+        round(h[S + t] . w2s[d]) (the shared expert), added in fp32 to that cast and cast again."""
         t = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = d < D
@@ -227,17 +252,13 @@ if triton is not None:
         for k in tl.static_range(K):  # unrolled: the K experts' loads can be in flight together
             s = t * K + k
             e = tl.minimum(tl.maximum(tl.load(idx_ptr + s).to(tl.int64), 0), E - 1)
-            w_rows = e * stride_we + d[:, None].to(tl.int64) * stride_wd
-            out = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            for f0 in range(0, F, BLOCK_F):
-                f = f0 + tl.arange(0, BLOCK_F)
-                f_mask = f < F
-                h = tl.load(h_ptr + s * F + f, mask=f_mask, other=0.0).to(tl.float32)
-                w2 = tl.load(w2_ptr + w_rows + f[None, :] * stride_wf, mask=d_mask[:, None] & f_mask[None, :],
-                             other=0.0).to(tl.float32)
-                out += tl.sum(w2 * h[None, :], axis=1)
+            out = _down_rows(h_ptr + s * F, w2_ptr + e * stride_we, d, d_mask, stride_wd, stride_wf, F, BLOCK_D,
+                             BLOCK_F)
             # the expert's output in x's dtype (as the reference's matmul), weighted and summed in fp32
             y += tl.load(topk_w_ptr + s).to(tl.float32) * out.to(dtype).to(tl.float32)
+        if SHARED:  # the MoE's `routed + shared`, both in x's dtype
+            out = _down_rows(h_ptr + (S + t) * F, w2s_ptr, d, d_mask, stride_wd, stride_wf, F, BLOCK_D, BLOCK_F)
+            y = y.to(dtype).to(tl.float32) + out.to(dtype).to(tl.float32)
         tl.store(y_ptr + t * D + d, y.to(dtype), mask=d_mask)
 
     @triton.jit
@@ -323,6 +344,7 @@ def moe_experts_gemv(
     weight_fn: WeightFn | None = None,
     blocks: tuple[int, int, int, int] | None = None,
     warps: tuple[int, int] | None = None,
+    shared: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Same as moe_experts_loop (forward only), with the two Triton kernels of the module docstring.
 
@@ -330,6 +352,9 @@ def moe_experts_gemv(
     act: a callable `glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
     blocks: (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two), warps: the warps of a program of each
     kernel; for the bench; None = the module's (BLOCK_*, WARPS).
+    shared: a shared expert's (gate [F, D], down [D, F], up [F, D]) weights (a plain MoE's, of the routed experts'
+    F): every token also runs through it as one more slot, and y is then the MoE's `routed + shared`, each rounded to
+    x's dtype and added in fp32, as `MoE.forward` adds them: two launches for both (model.py `MoE.experts_with_shared`).
     Raises ValueError where the kernels cannot run (gemv_supported), for an activation they do not know, a
     weight_fn, or inputs that need a gradient (nothing here is differentiable).
     """
@@ -340,21 +365,30 @@ def moe_experts_gemv(
     block_f, block_d1, block_d, block_f2 = blocks or (BLOCK_F, min(BLOCK_D1, triton.next_power_of_2(D)), BLOCK_D,
                                                       min(BLOCK_F2, triton.next_power_of_2(F)))
     K = topk_idx_TK.shape[1]
-    if T * K == 0:
+    S = T * K
+    if S == 0:
         return torch.zeros((T, D), dtype=x_TD.dtype, device=x_TD.device)
-    if w3_EFD.stride() != w1_EFD.stride():  # one set of strides serves both the gate and the up matrices
-        w1_EFD, w3_EFD = w1_EFD.contiguous(), w3_EFD.contiguous()
+    # one set of strides serves the gate and up matrices of every expert (and the down matrices theirs)
+    w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
+    if shared is not None:
+        shared = tuple(w.contiguous() for w in shared)
+        if (shared[0].shape, shared[1].shape, shared[2].shape) != ((F, D), (D, F), (F, D)) or \
+                any(w.dtype != w1_EFD.dtype or w.device != x_TD.device for w in shared):
+            raise ValueError(f"moe_experts_gemv: the shared expert's weights {[tuple(w.shape) for w in shared]} "
+                             f"must be [F, D], [D, F], [F, D] = {[(F, D), (D, F), (F, D)]} in the experts' dtype "
+                             f"{w1_EFD.dtype} on x's device")
+    w1s, w2s, w3s = shared if shared is not None else (w1_EFD, w2_EDF, w3_EFD)  # (not read without SHARED)
     idx_S = topk_idx_TK.contiguous()
     w_S = topk_w_TK.contiguous()
-    h_SF = torch.empty((T * K, F), dtype=x_TD.dtype, device=x_TD.device)
+    h_SF = torch.empty((S + (T if shared is not None else 0), F), dtype=x_TD.dtype, device=x_TD.device)
     y_TD = torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
     situ = spec.kind == "situ"
     warps1, warps2 = warps or WARPS
-    _gate_up_kernel[(T * K, triton.cdiv(F, block_f))](
-        x_TD, idx_S, w1_EFD, w3_EFD, h_SF, E, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
+    _gate_up_kernel[(h_SF.shape[0], triton.cdiv(F, block_f))](
+        x_TD, idx_S, w1_EFD, w3_EFD, w1s, w3s, h_SF, E, S, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
         SITU=situ, beta=float(spec.beta), linear_beta=float(spec.linear_beta), BLOCK_F=block_f, BLOCK_D=block_d1,
         num_warps=warps1)
     _down_kernel[(T, triton.cdiv(D, block_d))](
-        h_SF, idx_S, w_S, w2_EDF, y_TD, E, F, D, K, *w2_EDF.stride(), BLOCK_D=block_d, BLOCK_F=block_f2,
-        num_warps=warps2)
+        h_SF, idx_S, w_S, w2_EDF, w2s, y_TD, E, S, F, D, K, *w2_EDF.stride(), SHARED=shared is not None,
+        BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2)
     return y_TD

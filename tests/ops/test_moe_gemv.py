@@ -134,6 +134,62 @@ def test_interpreted_situ_is_accurate_element_by_element(act):
 
 
 @interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, K", [(1, 2), (3, 2), (4, 3)])
+def test_interpreted_gemv_with_a_shared_expert_is_routed_plus_shared(T, K, dtype):
+    """`shared`: the routed experts' output plus the shared expert's, each in x's dtype, added as MoE.forward adds
+    them: bit-equal to the two calls it replaces (the shared expert as a one-expert call, as MLP.gemv runs it) and
+    their add (fp32 and fp16 round here as on the GPU; the interpreter's bf16 truncates)."""
+    D, F, E = 48, 40, 5
+    x, idx, w, w1, w2, w3 = random_moe(T, D, F, E, K, dtype, seed=11 + T)
+    _, _, _, s1, s2, s3 = random_moe(T, D, F, 1, 1, dtype, seed=12 + T)
+    one_idx, one_w = torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1, dtype=dtype)
+    with torch.no_grad():
+        y = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, swiglu, shared=(s1[0], s2[0], s3[0]))
+        routed = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, swiglu)
+        shared = moe_gemv.moe_experts_gemv(x, one_idx, one_w, s1, s2, s3, swiglu)
+        reference = moe_experts_loop(x, idx, w, w1, w2, w3, swiglu) + moe_experts_loop(x, one_idx, one_w, s1, s2, s3,
+                                                                                          swiglu)
+    assert torch.equal(y, routed + shared)
+    assert rel_norm_err(y, reference) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="shared expert's weights"):
+        moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, swiglu, shared=(s1[0, :-1], s2[0, :, :-1], s3[0, :-1]))
+
+
+@interpreted_only
+def test_interpreted_plain_moe_runs_routed_and_shared_experts_in_one_call(monkeypatch, fresh_backend_choice):
+    """A plain MoE (the Kimi-Linear family) under no_grad at 3 tokens: one GEMV call for its routed and shared
+    experts together (`MoE.experts_with_shared`), bit-equal to the routed call, the shared expert's and the add (the
+    same forward with that path off); a LatentMoE (K3) and a forward under autograd keep their own calls."""
+    from openk3.model.model import MoE
+    from tests.model.test_model import kimi_linear_tiny
+    torch.manual_seed(0)
+    moe = MoE(kimi_linear_tiny())
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, moe.experts.w1.shape[2])
+    calls = []
+    real = moe_gemv.moe_experts_gemv
+
+    def spy(*args, **kwargs):
+        calls.append("shared" if kwargs.get("shared") is not None else args[3].shape[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr("openk3.model.model.moe_experts_gemv", spy)
+    monkeypatch.setattr(ops, "moe_experts_gemv", spy)
+    monkeypatch.delenv("OPENK3_MOE_GEMV", raising=False)
+    with torch.no_grad():
+        y = moe(x)
+        assert calls == ["shared"]
+        monkeypatch.setattr(MoE, "experts_with_shared", lambda self, *args: None)
+        y_apart = moe(x)
+    assert calls == ["shared", moe.experts.w1.shape[0], 1]  # then the routed experts' call, the shared expert's
+    assert torch.equal(y, y_apart)
+    y_grad = moe(x)  # under autograd: no kernel
+    assert rel_norm_err(y_grad, y) < 1e-5 and calls[3:] == []
+    assert MoE(tiny()).latent  # (a LatentMoE adds its shared experts after its up projection: never merged)
+
+
+@interpreted_only
 def test_interpreted_gemv_refuses_what_it_cannot_do():
     inputs = random_moe(2, 16, 8, 3, 2, torch.float32, seed=0)
     with pytest.raises(ValueError, match="does not know the activation"):
@@ -271,13 +327,14 @@ def test_kernels_compile_for_sm90_without_spills(act):
     shapes, the module's tiles), and that no thread spills registers to local memory."""
     s = KIMI_LINEAR_EXPERTS
     shape = {"F": s["F"], "D": s["D"], "K": s["K"]}
-    ptrs = {n: "*bf16" for n in ("x_ptr", "w1_ptr", "w3_ptr", "h_ptr", "topk_w_ptr", "w2_ptr", "y_ptr")}
+    ptrs = {n: "*bf16" for n in ("x_ptr", "w1_ptr", "w3_ptr", "w1s_ptr", "w3s_ptr", "h_ptr", "topk_w_ptr", "w2_ptr",
+                                 "w2s_ptr", "y_ptr")}
     types = {**ptrs, "idx_ptr": "*i64", "beta": "fp32", "linear_beta": "fp32"}
     tiles = {"BLOCK_F": moe_gemv.BLOCK_F, "BLOCK_D": moe_gemv.BLOCK_D1}
     gate_up = compile_for_sm90(moe_gemv._gate_up_kernel, types, {**shape, "SITU": act == "situ", **tiles})
-    down = compile_for_sm90(moe_gemv._down_kernel, types, {**shape, "BLOCK_D": moe_gemv.BLOCK_D,
-                                                           "BLOCK_F": moe_gemv.BLOCK_F2})
-    for usage in (gate_up, down):  # spilled registers show as a stack frame (64 x 512 tiles: STACK:4984)
+    down = [compile_for_sm90(moe_gemv._down_kernel, types, {**shape, "SHARED": shared, "BLOCK_D": moe_gemv.BLOCK_D,
+                                                            "BLOCK_F": moe_gemv.BLOCK_F2}) for shared in (False, True)]
+    for usage in (gate_up, *down):  # spilled registers show as a stack frame (64 x 512 tiles: STACK:4984)
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
 
@@ -393,6 +450,26 @@ def test_gemv_is_what_moe_experts_runs_at_decode_and_replays_in_a_cuda_graph(fre
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ops.moe_experts(*fresh, situ_k3))
+
+
+@cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("act", [swiglu, situ_k3])
+def test_gemv_with_a_shared_expert_on_gpu(T, act):
+    """The routed and shared experts in one pair of launches, bf16 at kimi-linear-1.5b's shapes: bit-equal to the
+    routed call plus the shared expert's one-expert call (MoE.forward's add)."""
+    s = KIMI_LINEAR_EXPERTS
+    x, idx, w, w1, w2, w3 = random_moe(T, s["D"], s["F"], s["E"], s["K"], torch.bfloat16, seed=T, device="cuda")
+    _, _, _, s1, s2, s3 = random_moe(T, s["D"], s["F"], 1, 1, torch.bfloat16, seed=T + 1, device="cuda")
+    one_idx = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
+    one_w = torch.ones(T, 1, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        y = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, act, shared=(s1[0], s2[0], s3[0]))
+        apart = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, act) + moe_gemv.moe_experts_gemv(
+            x, one_idx, one_w, s1, s2, s3, act)
+    assert torch.equal(y, apart)
 
 
 @cuda
