@@ -54,6 +54,7 @@ from openk3.model.fused import FusedProjections, applied
 from openk3.model.model import K3ForCausalLM
 from openk3.model.state import K3Cache, KDAState, SlotKDAState
 from openk3.ops import graph_capture, select_kda_backend, select_moe_backend
+from openk3.ops.greedy import greedy_pick, greedy_pick_applies
 from openk3.ops.kda.conv_step import conv_step_supported
 from openk3.ops.mla_decode import select_paged_attention
 from openk3.serve.cache import (PagedSeq, PagePool, device_tensor, kept_conv_tail, pinned_copies, rollback_kda,
@@ -319,7 +320,7 @@ class StepBuffers:
 @dataclass
 class Launched:
     """A decode step queued on the device (`StaticDecoder.launch`): its sampled tokens [B] (long) on the device for a
-    later step to feed, copied out of the step's output (None where no step will); its fp32 logits [B, V] (graph
+    later step to feed, copied out of the step's output (None where no step will); its logits [B, V] (`_run`; graph
     memory: read before the next replay of any graph of the decoder); its output [3, B] (token, logprob, finite) on
     its way to the host (pinned on CUDA), the event recorded after that copy (None on the CPU: copies there are done
     when they return); its n real rows."""
@@ -392,9 +393,13 @@ class StaticDecoder:
                 mla_index += 1
         return K3Cache(layers)
 
-    def _reset_padding(self) -> None:
-        """The padding rows wrote into the scratch slots and the zero page: one reset of each per step, not a mask of
-        the padding rows' writes per layer (docs/engine.md "Fast decode path")."""
+    def _reset_padding(self, rows: int) -> None:
+        """The padding rows wrote into the scratch slots and the zero page: one reset of each per step of a bucket of
+        `rows` rows, not a mask of the padding rows' writes per layer (docs/engine.md "Fast decode path"). A bucket of
+        one row has no padding row (a step has a request): nothing to reset (the reset took ~11 us a step on the
+        H200, kimi-linear-1.5b, `decode_probe.py timeline:1`, eleventh session)."""
+        if rows == 1:
+            return
         self.slots.clear_scratch()
         self.pool.mla[0].zero_()
 
@@ -408,14 +413,18 @@ class StaticDecoder:
 
     def _run(self, buf: StepBuffers, greedy_only: bool) -> tuple[Tensor, Tensor]:
         """Model forward (T = 1) + sampler over the static buffers -> ([3, B] float64: token, logprob, finite;
-        the fp32 logits [B, V])."""
+        the logits [B, V]: fp32, or the model's dtype where a greedy-only step picks in one kernel)."""
         kda = self._gathered(buf, tokens=1)
-        logits = self.model(buf.ids, cache=self._cache(buf, kda), validate=False).logits[:, -1].float()
-        self._reset_padding()
-        top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast for it
-        tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, top_p, buf.seed, buf.counter,
-                                        greedy_only=greedy_only)
-        finite = torch.isfinite(logits).all(-1)
+        logits = self.model(buf.ids, cache=self._cache(buf, kda), validate=False).logits[:, -1]
+        self._reset_padding(buf.ids.shape[0])
+        if greedy_only and greedy_pick_applies(logits):  # one kernel (ops/greedy.py) for the chain below
+            tokens, logprobs, finite = greedy_pick(logits)
+        else:
+            logits = logits.float()
+            top_p = buf.top_p if greedy_only else buf.top_p.float()  # a greedy-only step reads no top_p: no cast
+            tokens, logprobs = sample_batch(logits, buf.temperature, buf.top_k, top_p, buf.seed, buf.counter,
+                                            greedy_only=greedy_only)
+            finite = torch.isfinite(logits).all(-1)
         # one op for the three rows, cast into float64 by the stack itself (exact: token ids < 2**53)
         out = torch.empty(3, logits.shape[0], dtype=torch.float64, device=logits.device)
         return torch.stack([tokens, logprobs, finite], out=out), logits
@@ -436,7 +445,7 @@ class StaticDecoder:
             kda = self.slots.view(buf.slots, gather=True)
             committed = [KDAState(s.recurrent, s.conv) for s in kda]
         logits = self.model(buf.ids, cache=self._cache(buf, kda), keep_inputs=True, validate=False).logits.float()
-        self._reset_padding()
+        self._reset_padding(buf.ids.shape[0])
         tokens = logits.argmax(-1)
         logprobs = logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)
         finite = torch.isfinite(logits).flatten(1).all(-1, keepdim=True).expand_as(tokens)
@@ -451,7 +460,7 @@ class StaticDecoder:
         # a one-token piece with fla updates the pool's rows in place, as a decode step (`_run`)
         kda = self._gathered(buf, tokens=buf.T, chunked=True)
         logits = self.model(buf.ids, cache=self._cache(buf, kda), logits_to_keep=1, validate=False).logits[:, -1]
-        self._reset_padding()
+        self._reset_padding(buf.ids.shape[0])
         return logits.float()
 
     def _draft_run(self, buf: StepBuffers, greedy_only: bool = True) -> tuple[Tensor, list]:
@@ -463,7 +472,7 @@ class StaticDecoder:
         for i in range(buf.T):
             kda = self._gathered(buf, tokens=1)
             logits = self.model(tokens, cache=self._cache(buf, kda, token=i), validate=False).logits[:, -1]
-            self._reset_padding()
+            self._reset_padding(buf.ids.shape[0])
             if i == buf.T - 1:
                 break
             tokens = logits.argmax(-1, keepdim=True)
@@ -590,10 +599,10 @@ class StaticDecoder:
 
     def step(self, seqs: list[PagedSeq], slots: list[int], tokens: list[int], params: list[SamplingParams],
              seeds: list[int], counters: list[int], with_logits: bool = False) -> tuple:
-        """`launch` then `collect`: one decode step, waited for. `with_logits` adds the fp32 logits [n, V] (a copy,
+        """`launch` then `collect`: one decode step, waited for. `with_logits` adds the logits [n, V] in fp32 (a copy,
         on the device) as a fourth element, for tests."""
         launched = self.launch(seqs, slots, tokens, params, seeds, counters, fed=False)
-        logits = launched.logits[:launched.n].clone() if with_logits else None
+        logits = launched.logits[:launched.n].to(torch.float32, copy=True) if with_logits else None
         sampled = self.collect(launched)
         return (*sampled, logits) if with_logits else sampled
 
