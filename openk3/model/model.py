@@ -41,6 +41,7 @@ from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
 from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
 from openk3.ops.mla_decode import latent_attention, paged_latent_attention
 from openk3.ops.moe import route
+from openk3.ops.moe_by_expert import by_expert_applies, moe_experts_by_expert
 from openk3.ops.moe_gemv import GLUSpec, gemv_applies, moe_experts_gemv
 from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
@@ -888,23 +889,34 @@ class MoE(nn.Module):
         return u.view(shape)
 
     def experts_with_shared(self, x_TD: Tensor, idx: Tensor, w: Tensor) -> Tensor | None:
-        """A plain MoE's routed and shared experts, `routed + shared`, in the routed experts' two GEMV kernels
-        (ops/moe_gemv.py `moe_experts_gemv` with `shared`: the shared experts one more slot of every token, the add
-        in the down kernel; same roundings as `forward`'s), or None where that does not run: a LatentMoE, no shared
-        experts, where `MLP.gemv` or the routed experts' GEMV kernels would not run, experts whose forward is not
-        `Experts.forward` (expert parallelism swaps it), or a shared width other than the experts'. On the H200 at
-        batch 1 the shared experts' own two kernels and the add took ~9 us of a MoE layer's ~40
-        (`decode_probe.py timeline:1`, kimi-linear-1.5b, eleventh session)."""
+        """A plain MoE's routed and shared experts, `routed + shared`, in the routed experts' kernels with the shared
+        experts as one more slot of every token (ops/moe_gemv.py `moe_experts_gemv` at decode sizes, ops/moe_by_expert.py
+        `moe_experts_by_expert` above them, each with `shared`: the add in their last kernel; the same roundings as
+        `forward`'s), or None where neither runs (a gradient wanted, autocast, no kernel backend, larger calls), for a
+        LatentMoE, without shared experts, for experts whose forward is not `Experts.forward` (expert parallelism
+        swaps it), or for a shared width or dtype other than the experts'. On the H200 at batch 1 the shared experts'
+        own kernels and the add took ~9 us of a MoE layer's ~40, at batch 64 ~13 us of ~85 (`decode_probe.py
+        timeline:B`, kimi-linear-1.5b, eleventh session)."""
         if self.latent or not hasattr(self, "shared_experts") or type(self.experts).forward is not Experts.forward \
                 or "forward" in vars(self.experts):
             return None
-        shared = self.shared_experts.gemv_weights(x_TD)
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(x_TD.device.type):
+            return None
+        mlp = self.shared_experts
+        shared = (mlp.gate_proj.weight, mlp.down_proj.weight, mlp.up_proj.weight)
         experts = (self.experts.w1, self.experts.w2, self.experts.w3)
-        if shared is None or shared[0].shape[1:] != experts[0].shape[1:] or shared[0].dtype != experts[0].dtype \
-                or not gemv_applies(x_TD, idx, w, *experts, self.act):
+        if shared[0].shape != experts[0].shape[1:] or any(p.dtype != x_TD.dtype for p in shared + experts):
+            return None
+        backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
+        args = (x_TD, idx, w, *experts, self.act)
+        if backend.small is not None and gemv_applies(*args):
+            fn = moe_experts_gemv
+        elif backend.by_expert is not None and by_expert_applies(*args):
+            fn = moe_experts_by_expert
+        else:
             return None
         # the routing weights rounded to x's dtype, as Experts.forward gives them to the experts
-        return moe_experts_gemv(x_TD, idx, w.to(x_TD.dtype), *experts, self.act, shared=tuple(p[0] for p in shared))
+        return fn(x_TD, idx, w.to(x_TD.dtype), *experts, self.act, shared=shared)
 
 
 # --------------------------------------------------------------------------------- decoder layer

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from openk3.ops.moe import Activation, WeightFn
-from openk3.ops.moe_gemv import INTERPRET, check_kernel_call, combine_rows, kernels_apply, triton
+from openk3.ops.moe_gemv import INTERPRET, check_kernel_call, check_shared, combine_rows, kernels_apply, triton
 
 if triton is not None:
     import triton.language as tl
@@ -106,28 +106,49 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
-    def _group(offs_ptr, e):
-        """Expert e's rows: start, end (offs holds every group's end)."""
-        return tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
+    def _group(offs_ptr, e, E, S, T, BLOCK_M: tl.constexpr):
+        """Program e's rows: start, end. Expert e < E: its group (offs holds every group's end); e >= E: the
+        shared expert's (e - E)-th chunk of BLOCK_M of the T rows S ... S + T - 1 (token t's at row S + t)."""
+        if e < E:
+            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            end = tl.load(offs_ptr + e)
+        else:
+            start = S + (e - E) * BLOCK_M
+            end = tl.minimum(start + BLOCK_M, S + T)
+        return start, end
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w1_ptr, w3_ptr, h_ptr, F: tl.constexpr, D: tl.constexpr,
-                        K: tl.constexpr, stride_xt, stride_xd, stride_we, stride_wf, stride_wd,
-                        SITU: tl.constexpr, beta, linear_beta, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-        """h[r, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for every row r of expert e, t its token.
+    def _tokens(order_ptr, rows, m_mask, S, K: tl.constexpr):
+        """The tokens of rows (in expert order; the shared expert's rows S + t are token t)."""
+        routed = rows < S
+        slot = tl.load(order_ptr + rows, mask=m_mask & routed, other=0)
+        return tl.where(routed, slot // K, rows - S).to(tl.int64)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w1_ptr, w3_ptr, w1s_ptr, w3s_ptr, h_ptr, E, S, T,
+                        F: tl.constexpr, D: tl.constexpr, K: tl.constexpr, stride_xt, stride_xd, stride_we,
+                        stride_wf, stride_wd, SITU: tl.constexpr, beta, linear_beta, PRECISION: tl.constexpr,
+                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+        """h[r, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for every row r of expert e, t its token;
+        programs e >= E (when the grid has them) the shared expert's rows through w1s, w3s.
         F, D, K compile-time constants as in moe_gemv.py's kernels (one compile per layer shape)."""
         e = tl.program_id(0)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_mask = f < F
-        start, end = _group(offs_ptr, e)
+        start, end = _group(offs_ptr, e, E, S, T, BLOCK_M)
         # int64: e * E*F*D overflows int32 at the release's sizes
-        w_cols = e.to(tl.int64) * stride_we + f[None, :].to(tl.int64) * stride_wf  # [1, BLOCK_F]: w1[e].T's columns
+        if e < E:
+            w1_at = w1_ptr + e.to(tl.int64) * stride_we
+            w3_at = w3_ptr + e.to(tl.int64) * stride_we
+        else:
+            w1_at = w1s_ptr
+            w3_at = w3s_ptr
+        w_cols = f[None, :].to(tl.int64) * stride_wf  # [1, BLOCK_F]: w1[e].T's columns
         dtype = h_ptr.dtype.element_ty
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             m_mask = rows < end
-            token = (tl.load(order_ptr + rows, mask=m_mask, other=0) // K).to(tl.int64)
+            token = _tokens(order_ptr, rows, m_mask, S, K)
             gate = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
@@ -137,21 +158,26 @@ if triton is not None:
                             mask=m_mask[:, None] & d_mask[None, :], other=0.0)
                 w_at = w_cols + d[:, None] * stride_wd  # [BLOCK_D, BLOCK_F]
                 w_mask = d_mask[:, None] & f_mask[None, :]
-                gate = _dot(x, tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), gate, PRECISION, UPCAST)
-                up = _dot(x, tl.load(w3_ptr + w_at, mask=w_mask, other=0.0), up, PRECISION, UPCAST)
+                gate = _dot(x, tl.load(w1_at + w_at, mask=w_mask, other=0.0), gate, PRECISION, UPCAST)
+                up = _dot(x, tl.load(w3_at + w_at, mask=w_mask, other=0.0), up, PRECISION, UPCAST)
             h = glu_rounded(gate, up, dtype, SITU, beta, linear_beta)
             tl.store(h_ptr + rows[:, None].to(tl.int64) * F + f[None, :], h, mask=m_mask[:, None] & f_mask[None, :])
 
     @triton.jit
-    def _down_kernel(h_ptr, offs_ptr, w2_ptr, out_ptr, F: tl.constexpr, D: tl.constexpr,
+    def _down_kernel(h_ptr, offs_ptr, w2_ptr, w2s_ptr, out_ptr, E, S, T, F: tl.constexpr, D: tl.constexpr,
                      stride_we, stride_wd, stride_wf, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-        """out[r, d] = round(h[r] . w2[e, d]) for every row r of expert e: the expert's output in x's dtype."""
+        """out[r, d] = round(h[r] . w2[e, d]) for every row r of expert e: the expert's output in x's dtype;
+        programs e >= E the shared expert's rows through w2s."""
         e = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = d < D
-        start, end = _group(offs_ptr, e)
-        w_cols = e.to(tl.int64) * stride_we + d[None, :].to(tl.int64) * stride_wd  # [1, BLOCK_D]: w2[e].T's columns
+        start, end = _group(offs_ptr, e, E, S, T, BLOCK_M)
+        if e < E:
+            w2_at = w2_ptr + e.to(tl.int64) * stride_we
+        else:
+            w2_at = w2s_ptr
+        w_cols = d[None, :].to(tl.int64) * stride_wd  # [1, BLOCK_D]: w2[e].T's columns
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             m_mask = rows < end
@@ -161,7 +187,7 @@ if triton is not None:
                 f = f0 + tl.arange(0, BLOCK_F)
                 f_mask = f < F
                 h = tl.load(h_ptr + h_rows + f[None, :], mask=m_mask[:, None] & f_mask[None, :], other=0.0)
-                w2 = tl.load(w2_ptr + w_cols + f[:, None] * stride_wf, mask=f_mask[:, None] & d_mask[None, :],
+                w2 = tl.load(w2_at + w_cols + f[:, None] * stride_wf, mask=f_mask[:, None] & d_mask[None, :],
                              other=0.0)
                 out = _dot(h, w2, out, PRECISION, UPCAST)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -192,6 +218,7 @@ def moe_experts_by_expert(
     weight_fn: WeightFn | None = None,
     blocks: tuple[int, int, int, int, int] | None = None,
     warps: tuple[int, int] | None = None,
+    shared: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Same as moe_experts_loop (forward only), with the kernels of the module docstring.
 
@@ -200,6 +227,9 @@ def moe_experts_by_expert(
     blocks: (BLOCK_M, BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two, at least 16), warps: the
     warps of a program of kernel 1, kernel 2; for the bench and the tests; None = the module's (`block_m`, BLOCK_*,
     WARPS). Raises ValueError as moe_experts_gemv (`moe_gemv.check_kernel_call`).
+    shared: a shared expert's weights, as moe_experts_gemv takes them (y is then `routed + shared`, each in x's
+    dtype): its T rows follow the routed ones, in chunks of BLOCK_M rows each a program of both kernels, and the
+    combine adds them.
     """
     spec = check_kernel_call("moe_experts_by_expert", x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act,
                              weight_fn)
@@ -215,21 +245,25 @@ def moe_experts_by_expert(
     block_rows, block_f, block_d1, block_d, block_f2 = blocks or (
         block_m(S, E), cap(BLOCK_F, F), cap(BLOCK_D1, D), cap(BLOCK_D, D), cap(BLOCK_F2, F))
     warps1, warps2 = warps or WARPS
-    if w3_EFD.stride() != w1_EFD.stride():  # one set of strides serves both the gate and the up matrices
-        w1_EFD, w3_EFD = w1_EFD.contiguous(), w3_EFD.contiguous()
+    # one set of strides serves the gate and up matrices of every expert (and the down matrices theirs)
+    w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
     # NOTE: tl.dot on fp32 defaults to TF32 on the GPU (10-bit mantissas); the reference multiplies in full fp32
     # (bf16 and fp16 products are exact in fp32 whatever the flag says). And Triton's interpreter (3.9) multiplies
     # bf16 tiles as their raw bits: there the kernels turn them fp32 first
     upcast = INTERPRET and x_TD.dtype == torch.bfloat16
     precision = "ieee" if x_TD.dtype == torch.float32 or upcast else "tf32"
+    w1s, w2s, w3s = check_shared(shared, w1_EFD, x_TD) if shared is not None else (w1_EFD, w2_EDF, w3_EFD)
     order_S, row_S, offs_E = expert_rows(topk_idx_TK, E)
-    h_SF = torch.empty((S, F), dtype=x_TD.dtype, device=x_TD.device)
-    out_SD = torch.empty((S, D), dtype=x_TD.dtype, device=x_TD.device)
-    _gate_up_kernel[(E, triton.cdiv(F, block_f))](
-        x_TD, order_S, offs_E, w1_EFD, w3_EFD, h_SF, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
+    # the shared expert's rows S ... S + T - 1 after the routed ones, in chunks of BLOCK_M rows, one program each
+    rows = S + (T if shared is not None else 0)
+    programs = E + (triton.cdiv(T, block_rows) if shared is not None else 0)
+    h_SF = torch.empty((rows, F), dtype=x_TD.dtype, device=x_TD.device)
+    out_SD = torch.empty((rows, D), dtype=x_TD.dtype, device=x_TD.device)
+    _gate_up_kernel[(programs, triton.cdiv(F, block_f))](
+        x_TD, order_S, offs_E, w1_EFD, w3_EFD, w1s, w3s, h_SF, E, S, T, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
         SITU=spec.kind == "situ", beta=float(spec.beta), linear_beta=float(spec.linear_beta), PRECISION=precision,
         UPCAST=upcast, BLOCK_M=block_rows, BLOCK_F=block_f, BLOCK_D=block_d1, num_warps=warps1)
-    _down_kernel[(E, triton.cdiv(D, block_d))](
-        h_SF, offs_E, w2_EDF, out_SD, F, D, *w2_EDF.stride(), PRECISION=precision, UPCAST=upcast,
+    _down_kernel[(programs, triton.cdiv(D, block_d))](
+        h_SF, offs_E, w2_EDF, w2s, out_SD, E, S, T, F, D, *w2_EDF.stride(), PRECISION=precision, UPCAST=upcast,
         BLOCK_M=block_rows, BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2)
-    return combine_rows(out_SD, row_S, topk_w_TK)
+    return combine_rows(out_SD, row_S, topk_w_TK, shared=shared is not None)

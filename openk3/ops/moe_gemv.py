@@ -262,19 +262,37 @@ if triton is not None:
         tl.store(y_ptr + t * D + d, y.to(dtype), mask=d_mask)
 
     @triton.jit
-    def _combine_kernel(out_ptr, row_ptr, w_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr, stride_out,
-                        BLOCK_D: tl.constexpr):
-        """y[t, d] = sum_k w[t*K + k] * out[row[t*K + k], d] in fp32 (k in order), cast to y's dtype."""
+    def _combine_kernel(out_ptr, row_ptr, w_ptr, y_ptr, S, D: tl.constexpr, K: tl.constexpr, stride_out,
+                        SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
+        """y[t, d] = sum_k w[t*K + k] * out[row[t*K + k], d] in fp32 (k in order), cast to y's dtype; with SHARED,
+        plus out[S + t, d] (the shared expert's output, in y's dtype) added in fp32 to that cast and cast again."""
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = d < D
+        dtype = y_ptr.dtype.element_ty
         y = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for k in tl.static_range(K):  # unrolled: the K rows' loads can be in flight together
             s = t * K + k
             r = tl.load(row_ptr + s).to(tl.int64)
             y += tl.load(w_ptr + s).to(tl.float32) * tl.load(out_ptr + r * stride_out + d, mask=d_mask,
                                                              other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+        if SHARED:  # the MoE's `routed + shared`, both in x's dtype
+            y = y.to(dtype).to(tl.float32) + tl.load(out_ptr + (S + t) * stride_out + d, mask=d_mask,
+                                                     other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * D + d, y.to(dtype), mask=d_mask)
+
+
+def check_shared(shared: tuple[Tensor, Tensor, Tensor], w1_EFD: Tensor, x_TD: Tensor) -> tuple[Tensor, ...]:
+    """A shared expert's (gate [F, D], down [D, F], up [F, D]) weights for the kernels here and in moe_by_expert.py,
+    made contiguous (the routed experts' strides serve them); ValueError where their shapes are not the routed
+    experts' (w1_EFD [E, F, D]), or their dtype or device not w1's and x's."""
+    _, F, D = w1_EFD.shape
+    shared = tuple(w.contiguous() for w in shared)
+    if tuple(tuple(w.shape) for w in shared) != ((F, D), (D, F), (F, D)) or \
+            any(w.dtype != w1_EFD.dtype or w.device != x_TD.device for w in shared):
+        raise ValueError(f"the shared expert's weights {[tuple(w.shape) for w in shared]} must be [F, D], [D, F], "
+                         f"[F, D] = {[(F, D), (D, F), (F, D)]} in the experts' dtype {w1_EFD.dtype} on x's device")
+    return shared
 
 
 def combine_slots(out_SD: Tensor, order_S: Tensor, topk_w_TK: Tensor, block_d: int | None = None) -> Tensor:
@@ -293,9 +311,11 @@ def combine_slots(out_SD: Tensor, order_S: Tensor, topk_w_TK: Tensor, block_d: i
     return combine_rows(out_SD, row_S, topk_w_TK, block_d)
 
 
-def combine_rows(out_SD: Tensor, row_S: Tensor, topk_w_TK: Tensor, block_d: int | None = None) -> Tensor:
+def combine_rows(out_SD: Tensor, row_S: Tensor, topk_w_TK: Tensor, block_d: int | None = None,
+                 shared: bool = False) -> Tensor:
     """`combine_slots` given the row of out_SD of each slot, row_S [S] (the inverse of its order_S), where the caller
-    has it already (moe_by_expert.py's ordering kernel writes both)."""
+    has it already (moe_by_expert.py's ordering kernel writes both). `shared`: out_SD has T more rows after the S
+    routed ones, token t's shared expert output at row S + t, added as moe_experts_gemv's `shared` adds it."""
     T, K = topk_w_TK.shape
     D = out_SD.shape[1]
     y_TD = torch.empty((T, D), dtype=out_SD.dtype, device=out_SD.device)
@@ -304,8 +324,8 @@ def combine_rows(out_SD: Tensor, row_S: Tensor, topk_w_TK: Tensor, block_d: int 
     if out_SD.stride(1) != 1:
         out_SD = out_SD.contiguous()
     block = block_d or min(BLOCK_COMBINE, triton.next_power_of_2(D))
-    _combine_kernel[(T, triton.cdiv(D, block))](out_SD, row_S, topk_w_TK.contiguous(), y_TD, D, K, out_SD.stride(0),
-                                                BLOCK_D=block)
+    _combine_kernel[(T, triton.cdiv(D, block))](out_SD, row_S, topk_w_TK.contiguous(), y_TD, T * K, D, K,
+                                                out_SD.stride(0), SHARED=shared, BLOCK_D=block)
     return y_TD
 
 
@@ -370,14 +390,7 @@ def moe_experts_gemv(
         return torch.zeros((T, D), dtype=x_TD.dtype, device=x_TD.device)
     # one set of strides serves the gate and up matrices of every expert (and the down matrices theirs)
     w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
-    if shared is not None:
-        shared = tuple(w.contiguous() for w in shared)
-        if (shared[0].shape, shared[1].shape, shared[2].shape) != ((F, D), (D, F), (F, D)) or \
-                any(w.dtype != w1_EFD.dtype or w.device != x_TD.device for w in shared):
-            raise ValueError(f"moe_experts_gemv: the shared expert's weights {[tuple(w.shape) for w in shared]} "
-                             f"must be [F, D], [D, F], [F, D] = {[(F, D), (D, F), (F, D)]} in the experts' dtype "
-                             f"{w1_EFD.dtype} on x's device")
-    w1s, w2s, w3s = shared if shared is not None else (w1_EFD, w2_EDF, w3_EFD)  # (not read without SHARED)
+    w1s, w2s, w3s = check_shared(shared, w1_EFD, x_TD) if shared is not None else (w1_EFD, w2_EDF, w3_EFD)
     idx_S = topk_idx_TK.contiguous()
     w_S = topk_w_TK.contiguous()
     h_SF = torch.empty((S + (T if shared is not None else 0), F), dtype=x_TD.dtype, device=x_TD.device)

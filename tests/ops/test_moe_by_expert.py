@@ -67,6 +67,29 @@ def test_interpreted_by_expert_one_expert_takes_every_slot(K, dtype):
 
 
 @interpreted_only
+@pytest.mark.parametrize("T, K, E, block_m", [(5, 4, 4, None), (23, 2, 6, None), (37, 3, 5, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_by_expert_with_a_shared_expert(T, K, E, block_m, dtype):
+    """`shared`: the routed experts' output plus the shared expert's, each in x's dtype (MoE.forward's add), the
+    shared rows in chunks of BLOCK_M (37 tokens: three chunks of 16, the last masked): against the loop reference of
+    both and their add; the output less the routed call's is the shared expert's (up to the sum's rounding)."""
+    D, F = 48, 40
+    x, idx, w, w1, w2, w3 = random_moe(T, D, F, E, K, dtype, seed=T + K)
+    _, _, _, s1, s2, s3 = random_moe(T, D, F, 1, 1, dtype, seed=T + K + 1)
+    one_idx, one_w = torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1, dtype=dtype)
+    blocks = None if block_m is None else (block_m, 16, 16, 16, 16)
+    with torch.no_grad():
+        y = moe_experts_by_expert(x, idx, w, w1, w2, w3, swiglu, blocks=blocks, shared=(s1[0], s2[0], s3[0]))
+        routed = moe_experts_by_expert(x, idx, w, w1, w2, w3, swiglu, blocks=blocks)
+        alone = moe_experts_loop(x, one_idx, one_w, s1, s2, s3, swiglu)
+        reference = moe_experts_loop(x, idx, w, w1, w2, w3, swiglu) + alone
+    assert rel_norm_err(y, reference) < TOLERANCE[dtype]
+    assert rel_norm_err(y.double() - routed.double(), alone) < 4 * TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="shared expert's weights"):
+        moe_experts_by_expert(x, idx, w, w1, w2, w3, swiglu, shared=(s1[0], s2[0], s3[0, :-1]))
+
+
+@interpreted_only
 @pytest.mark.parametrize("D, F", [(50, 37), (70, 45)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_interpreted_by_expert_tiles_with_tails(D, F, dtype):
@@ -189,7 +212,8 @@ def test_kernels_compile_for_sm90_pipelined_without_spills(block_m, act):
     module's tiles, as a launch specialises them (unit strides, 16-divisible pointers and strides), with no register
     spills, and the reduction loops' loads are pipelined (async copies): loads in flight while the dots run."""
     s = KIMI_LINEAR_EXPERTS
-    types = {**{n: "*bf16" for n in ("x_ptr", "w1_ptr", "w3_ptr", "h_ptr", "w2_ptr", "out_ptr")},
+    types = {**{n: "*bf16" for n in ("x_ptr", "w1_ptr", "w3_ptr", "w1s_ptr", "w3s_ptr", "h_ptr", "w2_ptr", "w2s_ptr",
+                                     "out_ptr")},
              "order_ptr": "*i32", "offs_ptr": "*i32", "idx_ptr": "*i64", "row_ptr": "*i32",
              "beta": "fp32", "linear_beta": "fp32"}
     common = {"F": s["F"], "D": s["D"], "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": block_m}
@@ -258,3 +282,24 @@ def test_by_expert_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, moe_experts_by_expert(*fresh, swiglu))
 
+
+
+@cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [5, 16, 64])
+def test_by_expert_with_a_shared_expert_on_gpu(T):
+    """The routed and shared experts in one call, bf16 at kimi-linear-1.5b's shapes, against the loop reference of
+    both and their add; the output less the routed call's is the shared expert's (up to the sum's rounding)."""
+    s = KIMI_LINEAR_EXPERTS
+    x, idx, w, w1, w2, w3 = random_moe(T, s["D"], s["F"], s["E"], s["K"], torch.bfloat16, seed=T, device="cuda")
+    _, _, _, s1, s2, s3 = random_moe(T, s["D"], s["F"], 1, 1, torch.bfloat16, seed=T + 1, device="cuda")
+    one_idx = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
+    one_w = torch.ones(T, 1, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        y = moe_experts_by_expert(x, idx, w, w1, w2, w3, situ_k3, shared=(s1[0], s2[0], s3[0]))
+        routed = moe_experts_by_expert(x, idx, w, w1, w2, w3, situ_k3)
+        alone = moe_experts_loop(x, one_idx, one_w, s1, s2, s3, situ_k3)
+        reference = moe_experts_loop(x, idx, w, w1, w2, w3, situ_k3) + alone
+    assert rel_norm_err(y, reference) < 5e-3
+    assert rel_norm_err(y.double() - routed.double(), alone) < 2e-2

@@ -157,35 +157,51 @@ def test_interpreted_gemv_with_a_shared_expert_is_routed_plus_shared(T, K, dtype
 
 
 @interpreted_only
-def test_interpreted_plain_moe_runs_routed_and_shared_experts_in_one_call(monkeypatch, fresh_backend_choice):
-    """A plain MoE (the Kimi-Linear family) under no_grad at 3 tokens: one GEMV call for its routed and shared
-    experts together (`MoE.experts_with_shared`), bit-equal to the routed call, the shared expert's and the add (the
-    same forward with that path off); a LatentMoE (K3) and a forward under autograd keep their own calls."""
+@pytest.mark.parametrize("T", [3, 9])
+def test_interpreted_plain_moe_runs_routed_and_shared_experts_in_one_call(T, monkeypatch, fresh_backend_choice):
+    """A plain MoE (the Kimi-Linear family) under no_grad: one call for its routed and shared experts together
+    (`MoE.experts_with_shared`): at 3 tokens (6 slots) the GEMV kernels', bit-equal to the routed call, the shared
+    expert's and the add (the same forward with that path off); at 9 tokens (18 slots) the by-expert kernels', whose
+    shared rows are tl.dot tiles where the path off runs cuBLAS (fp32 sums apart). A LatentMoE (K3) and a forward
+    under autograd keep their own calls."""
     from openk3.model.model import MoE
+    from openk3.ops import moe_by_expert
     from tests.model.test_model import kimi_linear_tiny
     torch.manual_seed(0)
     moe = MoE(kimi_linear_tiny())
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    x = torch.randn(3, moe.experts.w1.shape[2])
+    x = torch.randn(T, moe.experts.w1.shape[2])
     calls = []
-    real = moe_gemv.moe_experts_gemv
 
-    def spy(*args, **kwargs):
-        calls.append("shared" if kwargs.get("shared") is not None else args[3].shape[0])
-        return real(*args, **kwargs)
-    monkeypatch.setattr("openk3.model.model.moe_experts_gemv", spy)
-    monkeypatch.setattr(ops, "moe_experts_gemv", spy)
+    def spy(real, name):
+        def call(*args, **kwargs):
+            calls.append((name, "shared" if kwargs.get("shared") is not None else args[3].shape[0]))
+            return real(*args, **kwargs)
+        return call
+    gemv = spy(moe_gemv.moe_experts_gemv, "gemv")
+    by_expert = spy(moe_by_expert.moe_experts_by_expert, "by_expert")
+    monkeypatch.setattr("openk3.model.model.moe_experts_gemv", gemv)
+    monkeypatch.setattr("openk3.model.model.moe_experts_by_expert", by_expert)
+    monkeypatch.setattr(ops, "moe_experts_gemv", gemv)
+    monkeypatch.setattr(ops, "moe_experts_by_expert", by_expert)
     monkeypatch.delenv("OPENK3_MOE_GEMV", raising=False)
+    E = moe.experts.w1.shape[0]
+    kind = "gemv" if T == 3 else "by_expert"
     with torch.no_grad():
         y = moe(x)
-        assert calls == ["shared"]
+        assert calls == [(kind, "shared")]
         monkeypatch.setattr(MoE, "experts_with_shared", lambda self, *args: None)
         y_apart = moe(x)
-    assert calls == ["shared", moe.experts.w1.shape[0], 1]  # then the routed experts' call, the shared expert's
-    assert torch.equal(y, y_apart)
+    # then the routed experts' call and (at 3 tokens; at 9 cuBLAS) the shared expert's one-expert GEMV
+    assert calls[1:] == [(kind, E)] + ([("gemv", 1)] if T == 3 else [])
+    if T == 3:
+        assert torch.equal(y, y_apart)
+    else:
+        assert rel_norm_err(y, y_apart) < 1e-6
+    n = len(calls)
     y_grad = moe(x)  # under autograd: no kernel
-    assert rel_norm_err(y_grad, y) < 1e-5 and calls[3:] == []
+    assert rel_norm_err(y_grad, y) < 1e-5 and len(calls) == n
     assert MoE(tiny()).latent  # (a LatentMoE adds its shared experts after its up projection: never merged)
 
 
