@@ -915,8 +915,8 @@ class MoE(nn.Module):
             fn = moe_experts_by_expert
         else:
             return None
-        # the routing weights rounded to x's dtype, as Experts.forward gives them to the experts
-        return fn(x_TD, idx, w.to(x_TD.dtype), *experts, self.act, shared=shared)
+        # (the kernels round the fp32 routing weights to x's dtype as Experts.forward does before it calls them)
+        return fn(x_TD, idx, w, *experts, self.act, shared=shared)
 
 
 # --------------------------------------------------------------------------------- decoder layer

@@ -242,7 +242,8 @@ if triton is not None:
     def _down_kernel(h_ptr, idx_ptr, topk_w_ptr, w2_ptr, w2s_ptr, y_ptr, E, S, F: tl.constexpr, D: tl.constexpr,
                      K: tl.constexpr, stride_we, stride_wd, stride_wf, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_F: tl.constexpr):
-        """y[t, d] = sum_k topk_w[t, k] * round(h[t*K + k] . w2[e, d]) in fp32, cast to y's dtype; with SHARED, plus
+        """y[t, d] = sum_k round(topk_w[t, k]) * round(h[t*K + k] . w2[e, d]) in fp32 (both rounded to y's dtype),
+        cast to y's dtype; with SHARED, plus
         round(h[S + t] . w2s[d]) (the shared expert), added in fp32 to that cast and cast again."""
         t = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -255,7 +256,8 @@ if triton is not None:
             out = _down_rows(h_ptr + s * F, w2_ptr + e * stride_we, d, d_mask, stride_wd, stride_wf, F, BLOCK_D,
                              BLOCK_F)
             # the expert's output in x's dtype (as the reference's matmul), weighted and summed in fp32
-            y += tl.load(topk_w_ptr + s).to(tl.float32) * out.to(dtype).to(tl.float32)
+            # the routing weight rounded to x's dtype first (as Experts.forward gives it: no op for a weight in it)
+            y += tl.load(topk_w_ptr + s).to(dtype).to(tl.float32) * out.to(dtype).to(tl.float32)
         if SHARED:  # the MoE's `routed + shared`, both in x's dtype
             out = _down_rows(h_ptr + (S + t) * F, w2s_ptr, d, d_mask, stride_wd, stride_wf, F, BLOCK_D, BLOCK_F)
             y = y.to(dtype).to(tl.float32) + out.to(dtype).to(tl.float32)
@@ -264,7 +266,8 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(out_ptr, row_ptr, w_ptr, y_ptr, S, D: tl.constexpr, K: tl.constexpr, stride_out,
                         SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
-        """y[t, d] = sum_k w[t*K + k] * out[row[t*K + k], d] in fp32 (k in order), cast to y's dtype; with SHARED,
+        """y[t, d] = sum_k w[t*K + k] * out[row[t*K + k], d] in fp32 (k in order; w rounded to y's dtype first, as
+        Experts.forward rounds it), cast to y's dtype; with SHARED,
         plus out[S + t, d] (the shared expert's output, in y's dtype) added in fp32 to that cast and cast again."""
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -274,7 +277,7 @@ if triton is not None:
         for k in tl.static_range(K):  # unrolled: the K rows' loads can be in flight together
             s = t * K + k
             r = tl.load(row_ptr + s).to(tl.int64)
-            y += tl.load(w_ptr + s).to(tl.float32) * tl.load(out_ptr + r * stride_out + d, mask=d_mask,
+            y += tl.load(w_ptr + s).to(dtype).to(tl.float32) * tl.load(out_ptr + r * stride_out + d, mask=d_mask,
                                                              other=0.0).to(tl.float32)
         if SHARED:  # the MoE's `routed + shared`, both in x's dtype
             y = y.to(dtype).to(tl.float32) + tl.load(out_ptr + (S + t) * stride_out + d, mask=d_mask,
@@ -368,7 +371,8 @@ def moe_experts_gemv(
 ) -> Tensor:
     """Same as moe_experts_loop (forward only), with the two Triton kernels of the module docstring.
 
-    x_TD: [T, D]. topk_idx_TK: [T, K]. topk_w_TK: [T, K]. w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
+    x_TD: [T, D]. topk_idx_TK: [T, K]. topk_w_TK: [T, K] (any float dtype: rounded to x's in the kernel, as
+    Experts.forward rounds it before every backend). w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
     act: a callable `glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
     blocks: (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two), warps: the warps of a program of each
     kernel; for the bench; None = the module's (BLOCK_*, WARPS).

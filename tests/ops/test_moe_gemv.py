@@ -157,6 +157,19 @@ def test_interpreted_gemv_with_a_shared_expert_is_routed_plus_shared(T, K, dtype
 
 
 @interpreted_only
+def test_interpreted_kernels_round_fp32_routing_weights_to_x_dtype():
+    """fp32 routing weights (the router's) give what the same weights rounded to x's dtype give (Experts.forward
+    rounds them before every backend; MoE.experts_with_shared leaves it to the kernels): fp16 rounds here as on the
+    GPU."""
+    from openk3.ops.moe_by_expert import moe_experts_by_expert
+    x, idx, w, w1, w2, w3 = random_moe(9, 48, 40, 5, 2, torch.float16, seed=4)
+    w32 = torch.rand(w.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for fn in (moe_gemv.moe_experts_gemv, moe_experts_by_expert):
+            assert torch.equal(fn(x, idx, w32, w1, w2, w3, swiglu), fn(x, idx, w32.half(), w1, w2, w3, swiglu))
+
+
+@interpreted_only
 @pytest.mark.parametrize("T", [3, 9])
 def test_interpreted_plain_moe_runs_routed_and_shared_experts_in_one_call(T, monkeypatch, fresh_backend_choice):
     """A plain MoE (the Kimi-Linear family) under no_grad: one call for its routed and shared experts together
