@@ -29,6 +29,7 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                kernel names in order, written to <out>/modules_b<B>.json
   router       the router kernel over its tiles and warps against the eager chain (cuBLAS, sigmoid, selection):
                us a call at kimi-linear-1.5b's and K3's shapes
+  mla          the paged MLA decode kernel over its key splits and key blocks at batch 1, 16, 64: us a call
   linear       cuBLAS's F.linear against openk3/ops/gemv.py's kernel at kimi-linear-1.5b's decode shapes, 1 / 2 / 4
                rows, each timed as a CUDA graph of 20 calls over 20 weights (one a call): us a call and the weight
                bytes read a second
@@ -316,9 +317,8 @@ def part_router() -> dict:
             row = {"eager_us": time_graph(lambda: route_topk(torch.sigmoid(F.linear(x.float(), ws[next(it) % 15].float())),
                                                              bias, k, True, 1.0), 15, 10)}
             ref = router_forward(x, ws[0], bias, k, True, 1.0)
-            variants = [None] + [(be, bd) for be in (1, 2, 4, 8) for bd in (256, 512, 1024, 2048) if be * bd <= 8192]
-            for blocks in variants:
-                for warps in (2, 4, 8):
+            for blocks in (None, (1, 2048), (2, 1024), (4, 512), (8, 256)):
+                for warps in (4, 8):
                     got = router_forward(x, ws[0], bias, k, True, 1.0, blocks=blocks, warps=warps)
                     if not torch.equal(got[0], ref[0]):
                         row[f"{blocks} w{warps}"] = "picks differ"
@@ -330,6 +330,38 @@ def part_router() -> dict:
             print(f"  router E={E} D={D} T={T}: eager {row['eager_us']:.2f} us, default {row['None w4']:.2f} us, "
                   f"best {best[0]:.2f} us ({best[1]})", flush=True)
             out[f"E{E} T{T}"] = row
+    return out
+
+
+def part_mla() -> dict:
+    """The paged MLA decode kernel (ops/mla_decode.py) at kimi-linear-1.5b's shape (16 heads, latent 512 + 64, bf16
+    pages of 64 tokens, a row's 640 tokens in a 16-page table bucket) over its key splits and key blocks, each timed
+    as a CUDA graph of 4 calls over 4 layers' pages (as the step's 4 MLA layers)."""
+    from openk3.ops.mla_decode import paged_latent_attention, split_keys, BLOCK_M
+
+    out = {}
+    H, r, rope, page, P, seen = 16, 512, 64, 64, 16, 640
+    for B in (1, 16, 64):
+        pools = [torch.randn(B * P + 1, page, r + rope, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        table = torch.arange(1, B * P + 1, device="cuda").view(B, P)
+        visible = torch.full((B,), seen, device="cuda")
+        q = torch.randn(B, H, r + rope, device="cuda", dtype=torch.bfloat16)
+        it = iter(range(10 ** 9))
+        ref = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H)
+        row = {"default_splits": split_keys(B, -(-H // BLOCK_M), P * page)[0]}
+        for block_n in (16, 32, 64):
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                got = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H, splits=splits, block_n=block_n)
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                row[f"n{block_n} s{splits}"] = time_graph(lambda: paged_latent_attention(
+                    q, pools[next(it) % 4], table, visible, 0.07, r, H, splits=splits, block_n=block_n), 4, 20) \
+                    if err < 1e-2 else f"err {err:.1e}"
+        row["default"] = time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible, 0.07, r, H),
+                                    4, 20)
+        best = min((v, n) for n, v in row.items() if isinstance(v, float))
+        print(f"  mla B={B}: default {row['default']:.2f} us ({row['default_splits']} splits), best {best[0]:.2f} us "
+              f"({best[1]})", flush=True)
+        out[f"B{B}"] = row
     return out
 
 
@@ -476,6 +508,8 @@ def main() -> None:
                 results[name] = part_linear()
             elif name == "router":
                 results[name] = part_router()
+            elif name == "mla":
+                results[name] = part_mla()
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("timeline:"):
