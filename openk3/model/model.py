@@ -550,13 +550,20 @@ class KimiDeltaAttention(nn.Module):
         conv_in_place = T == 1 and isinstance(state, SlotKDAState) and not per_token and cu_seqlens is None \
             and not torch.compiler.is_compiling() and conv_step_applies(qkv_in, state.conv_pool)
         tail = state.conv if state is not None and not conv_in_place else None
+        f = out_gate = None
         if conv_in_place:
-            q, k, v = conv_step_in_place(qkv_in[:, 0], self.q_conv1d.weight, self.k_conv1d.weight,
-                                         self.v_conv1d.weight, *state.conv_pool_rows(), H, K)
+            # at one row the gate's low-rank products (f_b; g_b of a low-rank output gate) in the conv's launch
+            lowrank = self.lowrank_products(x, outs) if B == 1 else []
+            q, k, v, *low = conv_step_in_place(qkv_in[:, 0], self.q_conv1d.weight, self.k_conv1d.weight,
+                                               self.v_conv1d.weight, *state.conv_pool_rows(), H, K, lowrank=lowrank)
+            if low:
+                f = low[0].view(B, T, H, K)
+                out_gate = low[1].view(B, T, H, K) if len(low) > 1 else None
         else:
             qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
             q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
-        f, b = self.decay_input(x, outs), project(self, "b_proj", x, outs)
+        f = self.decay_input(x, outs) if f is None else f
+        b = project(self, "b_proj", x, outs)
         gate = (self.A_log.float(), self.dt_bias.float(), self.lower_bound, K ** -0.5)
         if not recurrent:
             o, final = outside_graph(kda_fused.chunk_gated, q, k, v, f, torch.sigmoid(b.float()), *gate, cu_seqlens,
@@ -575,8 +582,18 @@ class KimiDeltaAttention(nn.Module):
             # a verification keeping every token's state keeps what its conv tail's rollback reads: the raw inputs
             # and the tail before them (serve/cache.py `kept_conv_tail`)
             state.inputs = {"qkv": qkv_in, "conv": tail} if per_token else None
-        o = outside_graph(kda_fused.gated_rms_norm, o, self.output_gate(x, outs), self.o_norm.weight, self.o_norm.eps)
+        out_gate = self.output_gate(x, outs) if out_gate is None else out_gate
+        o = outside_graph(kda_fused.gated_rms_norm, o, out_gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
+
+    def lowrank_products(self, x: Tensor, outs: dict[str, Tensor] | None) -> list[tuple[Tensor, Tensor]]:
+        """At one token: the (low-rank input [1, K], weight) pairs of f_b_proj and, with a low-rank output gate,
+        g_b_proj, for ops/kda/conv_step.py to compute in the conv's launch, where those Linears would run their
+        one-row GEMV (`linear_gemv_applies`); else [] (their Linear calls run). On the H200 at batch 1 they were
+        two launches of ~1.9 us each a KDA layer (`decode_probe.py timeline:1`, eleventh session)."""
+        pairs = [("f_a_proj", self.f_b_proj)] + ([] if self.full_rank_gate else [("g_a_proj", self.g_b_proj)])
+        out = [(project(self, key, x, outs).reshape(1, -1), proj.weight) for key, proj in pairs]
+        return out if all(linear_gemv_applies(lr, w) and lr.is_contiguous() for lr, w in out) else []
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
     # context-parallel kernel.

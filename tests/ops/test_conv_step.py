@@ -124,10 +124,12 @@ def test_the_cpu_keeps_the_pytorch_chain(monkeypatch):
 def test_kernel_compiles_for_sm90_without_spills(dtype):
     """What the interpreter cannot check: that Triton compiles the kernel (its branch per q, k, v, the barrier) for
     the GPU the lead runs, at kimi-linear-1.5b's shapes, with no register spilled to local memory."""
-    types = {n: f"*{dtype}" for n in ("qkv_ptr", "pool_ptr", "q_ptr", "k_ptr", "v_ptr")}
+    types = {n: f"*{dtype}" for n in ("qkv_ptr", "pool_ptr", "q_ptr", "k_ptr", "v_ptr", "xf_ptr", "wf_ptr", "yf_ptr",
+                                     "xg_ptr", "wg_ptr", "yg_ptr")}
     types.update({n: "*fp32" for n in ("wq_ptr", "wk_ptr", "wv_ptr")}, rows_ptr="*i64", stride_qkv="i64")
     usage = compile_for_sm90(conv_step._conv_step_kernel, types,
-                             {"HK": 16 * 128, "W": 4, "BLOCK_C": conv_step.MAX_BLOCK_C, "BLOCK_W": 4})
+                             {"HK": 16 * 128, "W": 4, "BLOCK_C": conv_step.MAX_BLOCK_C, "BLOCK_W": 4, "R": 128,
+                              "BLOCK_R": 128, "BLOCK_N": conv_step.LOWRANK_TILE // 128})
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
 
@@ -153,6 +155,33 @@ def test_bad_inputs_are_named():
 def test_interpreted_kernel_equals_the_pytorch_chain(dtype, pool_dtype, W):
     """3 rows in no order, one of them the scratch row 0, their projections a strided view; H*K = 32 (one block)."""
     check_against_reference(3, 2, 16, W, dtype, pool_dtype, pad=10, rows=[4, 0, 2])
+
+
+@interpreted_only
+@pytest.mark.parametrize("pairs, N, R", [(1, 24, 8), (2, 24, 8), (2, 2048, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_lowrank_products_in_the_conv_launch(pairs, N, R, dtype):
+    """`lowrank` at one row: each product F.linear(x, weight) in fp32 rounded once (N = 2048: 32 programs of 64
+    rows), the conv's outputs and tails as without them; more than one row, or a pair of another shape, is named."""
+    H, K, W = 3, 8, 4
+    qkv, wq, wk, wv, pool = random_inputs(1, H, K, W, dtype, dtype, seed=N + pairs)
+    g = torch.Generator().manual_seed(pairs)
+    lowrank = [(torch.randn(1, R, generator=g).to(dtype), (torch.randn(N, R, generator=g) * R ** -0.5).to(dtype))
+               for _ in range(pairs)]
+    rows = torch.tensor([2])
+    plain_pool = pool.clone()
+    q0, k0, v0 = conv_step_in_place(qkv, wq, wk, wv, plain_pool, rows, H, K)
+    q, k, v, *ys = conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, lowrank=lowrank)
+    assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0) and torch.equal(pool, plain_pool)
+    assert len(ys) == pairs
+    for y, (x, w) in zip(ys, lowrank):
+        want = torch.nn.functional.linear(x.double(), w.double())
+        assert y.shape == (1, N) and y.dtype == dtype
+        assert rel_err(y, want) < (1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps)
+    with pytest.raises(ValueError, match="lowrank"):
+        conv_step_in_place(torch.cat([qkv, qkv]), wq, wk, wv, pool, torch.tensor([1, 2]), H, K, lowrank=lowrank)
+    with pytest.raises(ValueError, match="lowrank"):
+        conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, lowrank=[(lowrank[0][0], lowrank[0][1][:, :-1])])
 
 
 @interpreted_only
