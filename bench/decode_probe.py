@@ -129,8 +129,9 @@ def part_hit(model, args, rng, out_dir: Path) -> dict:
     return out
 
 
-def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict:
-    args.compile_decode = compiled
+def decoding(model, args, rng, B: int):
+    """An engine with B requests of 512-token prompts decoding (their buckets captured, five steps run) -> (engine,
+    requests)."""
     engine = engine_for(model, args, B, prefix_cache=False)
     prompts = random_prompts(B, 512, model.config.vocab_size, rng)
     engine.generate(prompts, greedy(16))  # captures (and compiles) the buckets
@@ -140,6 +141,12 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
+    return engine, reqs
+
+
+def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict:
+    args.compile_decode = compiled
+    engine, reqs = decoding(model, args, rng, B)
     t0 = time.perf_counter()
     for _ in range(20):
         engine.step()
@@ -232,15 +239,7 @@ def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    engine = engine_for(model, args, B, prefix_cache=False)
-    prompts = random_prompts(B, 512, model.config.vocab_size, rng)
-    engine.generate(prompts, greedy(16))  # captures the buckets
-    reqs = [engine.submit(p, greedy(200)) for p in prompts]
-    while any(r.status != "running" for r in reqs):
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
+    engine, reqs = decoding(model, args, rng, B)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()

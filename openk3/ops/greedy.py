@@ -27,6 +27,8 @@ import os
 import torch
 from torch import Tensor
 
+from openk3.ops.router_topk import tickets
+
 try:
     import triton
     import triton.language as tl
@@ -67,7 +69,7 @@ if triton is not None:
         tl.store(row + 1, first.to(tl.float32))
         tl.store(row + 2, s)
         tl.store(row + 3, ok.to(tl.float32))
-        ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel")
+        ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel")  # (ops/router_topk.py `tickets`)
         if ticket == SPLITS - 1:
             i = tl.arange(0, SPLITS)
             at = part_ptr + (b * SPLITS + i) * 4
@@ -83,20 +85,6 @@ if triton is not None:
             tl.store(logprob_ptr + b, -tl.log(total))
             tl.store(finite_ptr + b, tl.min(oks, axis=0) > 0.5)
             tl.store(tickets_ptr + b, 0)  # for the next call
-
-
-_TICKETS: dict[torch.device, Tensor] = {}
-
-
-def tickets(device: torch.device, n: int) -> Tensor:
-    """n int32 zeros the kernel counts each row's finished programs in (the last resets its counter), kept per
-    device (ops/router_topk.py `tickets`: not kept when made inside a CUDA graph's capture; one stream at a time)."""
-    made = _TICKETS.get(device)
-    if made is None or made.numel() < n:
-        made = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        if not (made.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _TICKETS[device] = made
-    return made
 
 
 def greedy_pick(logits_BV: Tensor, block: int | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -190,8 +190,8 @@ def router_kernel_applies(x_TD: Tensor, weight_ED: Tensor, k: int) -> bool:
 
 
 def tickets(device: torch.device, n: int) -> Tensor:
-    """n int32 zeros that `router_forward`'s kernel counts each token's finished programs in (the last one resets its
-    counter to 0), kept per device so that a decode step does not zero them every call.
+    """n int32 zeros that a kernel counts each row's finished programs in (the last one resets its counter to 0:
+    `router_forward`'s, ops/greedy.py's), kept per device so that a decode step does not zero them every call.
     NOTE: not kept when made while a CUDA graph is being captured (a fill captured there runs only at replay: that
     graph then zeroes its own counters before each replay). Two router kernels running at the same time on two streams
     of one device would share the counters: openk3 runs its forwards on one stream at a time."""

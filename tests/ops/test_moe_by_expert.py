@@ -15,7 +15,7 @@ from openk3.ops.moe_gemv import GEMV_MAX_SLOTS
 from openk3.ops.situ import swiglu
 from tests.helpers import rel_norm_err, run_interpreted_child
 from tests.ops.test_moe_gemv import (INTERPRETED, KIMI_LINEAR_EXPERTS, TOLERANCE, compile_for_sm90, cuda,
-                                     interpreted_only, needs_triton, random_moe, situ_k3, situ_other)
+                                     interpreted_only, needs_triton, random_moe, shared_expert, situ_k3, situ_other)
 
 
 @needs_triton
@@ -75,8 +75,7 @@ def test_interpreted_by_expert_with_a_shared_expert(T, K, E, block_m, dtype):
     both and their add; the output less the routed call's is the shared expert's (up to the sum's rounding)."""
     D, F = 48, 40
     x, idx, w, w1, w2, w3 = random_moe(T, D, F, E, K, dtype, seed=T + K)
-    _, _, _, s1, s2, s3 = random_moe(T, D, F, 1, 1, dtype, seed=T + K + 1)
-    one_idx, one_w = torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1, dtype=dtype)
+    (s1, s2, s3), one_idx, one_w = shared_expert(T, D, F, dtype, seed=T + K + 1)
     blocks = None if block_m is None else (block_m, 16, 16, 16, 16)
     with torch.no_grad():
         y = moe_experts_by_expert(x, idx, w, w1, w2, w3, swiglu, blocks=blocks, shared=(s1[0], s2[0], s3[0]))
@@ -293,9 +292,7 @@ def test_by_expert_with_a_shared_expert_on_gpu(T):
     both and their add; the output less the routed call's is the shared expert's (up to the sum's rounding)."""
     s = KIMI_LINEAR_EXPERTS
     x, idx, w, w1, w2, w3 = random_moe(T, s["D"], s["F"], s["E"], s["K"], torch.bfloat16, seed=T, device="cuda")
-    _, _, _, s1, s2, s3 = random_moe(T, s["D"], s["F"], 1, 1, torch.bfloat16, seed=T + 1, device="cuda")
-    one_idx = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
-    one_w = torch.ones(T, 1, dtype=torch.bfloat16, device="cuda")
+    (s1, s2, s3), one_idx, one_w = shared_expert(T, s["D"], s["F"], torch.bfloat16, seed=T + 1, device="cuda")
     with torch.no_grad():
         y = moe_experts_by_expert(x, idx, w, w1, w2, w3, situ_k3, shared=(s1[0], s2[0], s3[0]))
         routed = moe_experts_by_expert(x, idx, w, w1, w2, w3, situ_k3)

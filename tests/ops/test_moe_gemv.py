@@ -63,6 +63,14 @@ def random_moe(T, D, F, E, K, dtype, seed, scale=1.0, device="cpu"):
     return [t.to(device) for t in (x, topk_idx, topk_w.to(dtype), w1, w2, w3)]
 
 
+def shared_expert(T, D, F, dtype, seed, device="cpu"):
+    """A shared expert for T tokens: its weights as one expert [1, F, D], [1, D, F], [1, F, D] and the one-expert
+    routing (every token to expert 0, weight 1) its own call takes (as MLP.gemv runs it)."""
+    _, _, _, s1, s2, s3 = random_moe(T, D, F, 1, 1, dtype, seed=seed, device=device)
+    one_idx = torch.zeros(T, 1, dtype=torch.int64, device=device)
+    return (s1, s2, s3), one_idx, torch.ones(T, 1, dtype=dtype, device=device)
+
+
 # fp32 and fp16 round as the GPU does: the kernels match the loop to the order of the fp32 sums (fp16: at most
 # 3.3e-5 on these cases; leaving out the kernels' roundings of gate/up or of the expert output to x's dtype gave
 # 6.1e-4 and 4.0e-4). NOTE: the interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest), a bias of
@@ -142,8 +150,7 @@ def test_interpreted_gemv_with_a_shared_expert_is_routed_plus_shared(T, K, dtype
     their add (fp32 and fp16 round here as on the GPU; the interpreter's bf16 truncates)."""
     D, F, E = 48, 40, 5
     x, idx, w, w1, w2, w3 = random_moe(T, D, F, E, K, dtype, seed=11 + T)
-    _, _, _, s1, s2, s3 = random_moe(T, D, F, 1, 1, dtype, seed=12 + T)
-    one_idx, one_w = torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1, dtype=dtype)
+    (s1, s2, s3), one_idx, one_w = shared_expert(T, D, F, dtype, seed=12 + T)
     with torch.no_grad():
         y = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, swiglu, shared=(s1[0], s2[0], s3[0]))
         routed = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, swiglu)
@@ -491,9 +498,7 @@ def test_gemv_with_a_shared_expert_on_gpu(T, act):
     routed call plus the shared expert's one-expert call (MoE.forward's add)."""
     s = KIMI_LINEAR_EXPERTS
     x, idx, w, w1, w2, w3 = random_moe(T, s["D"], s["F"], s["E"], s["K"], torch.bfloat16, seed=T, device="cuda")
-    _, _, _, s1, s2, s3 = random_moe(T, s["D"], s["F"], 1, 1, torch.bfloat16, seed=T + 1, device="cuda")
-    one_idx = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
-    one_w = torch.ones(T, 1, dtype=torch.bfloat16, device="cuda")
+    (s1, s2, s3), one_idx, one_w = shared_expert(T, s["D"], s["F"], torch.bfloat16, seed=T + 1, device="cuda")
     with torch.no_grad():
         y = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, act, shared=(s1[0], s2[0], s3[0]))
         apart = moe_gemv.moe_experts_gemv(x, idx, w, w1, w2, w3, act) + moe_gemv.moe_experts_gemv(
