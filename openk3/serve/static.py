@@ -398,8 +398,12 @@ class StaticDecoder:
         `rows` rows, not a mask of the padding rows' writes per layer (docs/engine.md "Fast decode path"). A bucket of
         one row has no padding row (a step has a request): nothing to reset (the reset took ~11 us a step on the
         H200, kimi-linear-1.5b, `decode_probe.py timeline:1`, eleventh session)."""
-        if rows == 1:
-            return
+        if rows > 1:
+            self.clear_padding()
+
+    def clear_padding(self) -> None:
+        """The scratch slots and the zero page back to zeros (`_reset_padding`; after a capture, whose warmup and
+        capture ran on padding rows only, eagerly)."""
         self.slots.clear_scratch()
         self.pool.mla[0].zero_()
 
@@ -541,6 +545,7 @@ class StaticDecoder:
             if self.graphs and key not in self.captured:
                 buf.clear()  # warmup and capture run on padding rows only: they write the scratch slot and zero page
                 self.captured[key] = self._capture(run, buf, greedy_only)
+                self.clear_padding()  # (a one-row bucket's step does not reset them)
             buf.fill(seqs, slots, tokens, self.pool.page_size, per_row, floats)
             if device_ids is not None:
                 buf.ids[:len(seqs), T - device_ids.shape[1]:].copy_(device_ids)
