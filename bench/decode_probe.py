@@ -313,8 +313,9 @@ def part_router() -> dict:
         for T in (1, 16, 64) if E == 32 else (1, 2):
             x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
             it = iter(range(10 ** 9))
-            row = {"eager_us": time_graph(lambda: route_topk(torch.sigmoid(F.linear(x.float(), ws[next(it) % 15].float())),
-                                                             bias, k, True, 1.0), 15, 10)}
+            def eager():
+                return route_topk(torch.sigmoid(F.linear(x.float(), ws[next(it) % 15].float())), bias, k, True, 1.0)
+            row = {"eager_us": time_graph(eager, 15, 10)}
             ref = router_forward(x, ws[0], bias, k, True, 1.0)
             for blocks in (None, (1, 2048), (2, 1024), (4, 512), (8, 256)):
                 for warps in (4, 8):
@@ -473,7 +474,8 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, attn, linear, hit, prefill:L[:B[:C]], modules:B, timeline:B, decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], modules:B, "
+                                            "timeline:B, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "

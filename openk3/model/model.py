@@ -801,7 +801,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """-> (topk_idx [T, k], topk_w [T, k] fp32, scores [T, E] fp32)."""
-        if router_kernel_applies(x_TD, self.weight, self.k):  # no grad, on CUDA, decode sizes: one or two kernels
+        if router_kernel_applies(x_TD, self.weight, self.k):  # no grad, on CUDA, decode sizes: one kernel
             return router_forward(x_TD, self.weight, self.e_score_correction_bias, self.k, self.renorm, self.scale)
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 router scores, also under bf16 autocast
             s = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
@@ -907,11 +907,11 @@ class MoE(nn.Module):
 
     def experts_with_shared(self, x_TD: Tensor, idx: Tensor, w: Tensor) -> Tensor | None:
         """A plain MoE's routed and shared experts, `routed + shared`, in the routed experts' kernels with the shared
-        experts as one more slot of every token (ops/moe_gemv.py `moe_experts_gemv` at decode sizes, ops/moe_by_expert.py
-        `moe_experts_by_expert` above them, each with `shared`: the add in their last kernel; the same roundings as
-        `forward`'s), or None where neither runs (a gradient wanted, autocast, no kernel backend, larger calls), for a
-        LatentMoE, without shared experts, for experts whose forward is not `Experts.forward` (expert parallelism
-        swaps it), or for a shared width or dtype other than the experts'. On the H200 at batch 1 the shared experts'
+        experts as one more slot of every token (ops/moe_gemv.py `moe_experts_gemv` at decode sizes,
+        ops/moe_by_expert.py `moe_experts_by_expert` above them, each with `shared`: the add in their last kernel; the
+        same roundings as `forward`'s), or None where neither runs (a gradient wanted, autocast, no kernel backend,
+        larger calls), for a LatentMoE, without shared experts, for experts whose forward is not `Experts.forward`
+        (expert parallelism swaps it), or for a shared width or dtype other than the experts'. On the H200 at batch 1 the shared experts'
         own kernels and the add took ~9 us of a MoE layer's ~40, at batch 64 ~13 us of ~85 (`decode_probe.py
         timeline:B`, kimi-linear-1.5b, eleventh session)."""
         if self.latent or not hasattr(self, "shared_experts") or type(self.experts).forward is not Experts.forward \

@@ -69,6 +69,7 @@ if triton is not None:
         tl.store(row + 1, first.to(tl.float32))
         tl.store(row + 2, s)
         tl.store(row + 3, ok.to(tl.float32))
+        tl.debug_barrier()  # every thread's stores before the atomic (ops/router_topk.py's kernel)
         ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel")  # (ops/router_topk.py `tickets`)
         if ticket == SPLITS - 1:
             i = tl.arange(0, SPLITS)

@@ -17,7 +17,8 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
   tokens (slot // K), computes gate and up tiles with tl.dot over D in fp32, and `glu_rounded` (moe_gemv.py: the
   GEMV kernel's activation and roundings) stores h [S, F] in x's dtype, one row per slot in expert order.
 - kernel 2 (down), grid (E, D tiles): out[row, d] = h[row, :] . w2[e, d, :] in fp32, rounded to x's dtype.
-- `combine_rows` (moe_gemv.py): y[t] = sum_k topk_w[t, k] * out[row of slot t*K + k] in fp32, k in order, cast.
+- `combine_rows` (moe_gemv.py): y[t] = sum_k topk_w[t, k] * out[row of slot t*K + k] in fp32, k in order, cast
+  (the weights rounded to x's dtype first, as Experts.forward gives them).
 
 So every expert's weights are read once per layer (a program's F or D tile of them; a second chunk of BLOCK_M rows
 re-reads its tile from L2), at the precision of openk3/ops/moe.py's docstring: `moe_experts_by_expert` has

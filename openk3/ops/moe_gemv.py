@@ -10,11 +10,13 @@ weights). Here every slot reads only its own expert's rows, in two launches and 
   (the reference's matmul outputs are in x's dtype), the activation runs in fp32 on those rounded values and is
   rounded to x's dtype -> h [S, F].
 - kernel 2, grid (T tokens, D tiles): for each of the token's K slots, out = h[s, :] . w2[e, d, :] in fp32,
-  rounded to x's dtype, times the slot's routing weight in fp32, summed over the K slots in fp32 (slots are
-  token-major, so a token's slots are adjacent: no sort, no atomics, deterministic) and cast to x's dtype.
+  rounded to x's dtype, times the slot's routing weight (rounded to x's dtype, as Experts.forward gives it to every
+  backend; no op for a weight in that dtype) in fp32, summed over the K slots in fp32 (slots are token-major, so a
+  token's slots are adjacent: no sort, no atomics, deterministic) and cast to x's dtype.
 
 That is the precision of openk3/ops/moe.py's docstring, so `moe_experts_gemv` has `moe_experts_loop`'s signature
-and result (tests/ops/test_moe_gemv.py compares them). It is forward only: `openk3.ops.moe_experts` sends a call
+and result for routing weights in x's dtype (tests/ops/test_moe_gemv.py compares them; fp32 weights are rounded
+first, where the loop would multiply by them unrounded). It is forward only: `openk3.ops.moe_experts` sends a call
 here only when `gemv_applies` (no gradient needed, no weight_fn, a known activation, S = T*K <= GEMV_MAX_SLOTS);
 everything else runs the backend chosen once (grouped or loop). No host syncs and no data-dependent shapes, so
 it runs inside the CUDA-graph capture of the decode step (openk3/serve/static.py).
@@ -299,7 +301,8 @@ def check_shared(shared: tuple[Tensor, Tensor, Tensor], w1_EFD: Tensor, x_TD: Te
 
 
 def combine_slots(out_SD: Tensor, order_S: Tensor, topk_w_TK: Tensor, block_d: int | None = None) -> Tensor:
-    """The grouped path's last step in one kernel: y[t] = sum_k topk_w[t, k] * out_SD[row of slot t*K + k] in fp32,
+    """The grouped path's last step in one kernel: y[t] = sum_k topk_w[t, k] * out_SD[row of slot t*K + k] in fp32
+    (the weights rounded to out_SD's dtype first, as Experts.forward gives them),
     cast to out_SD's dtype, where order_S [S] is the slot of each row of out_SD (`grouped_expert_outputs`). The same
     sum as moe_experts_grouped's fp32 index_add, whose atomics add in any order; here each token's K terms add in k
     order (deterministic). One read of out_SD and one write of y: at a 64K-token prefill of kimi-linear-1.5b on the

@@ -144,8 +144,9 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
         tl.store(scores_ptr + t * E + es, 1.0 / (1.0 + tl.exp(-acc)), mask=valid)
-        # acq_rel: this program's scores are visible to whichever program takes the last ticket, and that one sees
-        # every other program's
+        # every thread's stores before the one atomic (taken by one thread); acq_rel: this program's scores are then
+        # visible to whichever program takes the last ticket, and that one sees every other program's
+        tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + t, 1, sem="acq_rel")
         if ticket == tl.num_programs(1) - 1:
             offs = tl.arange(0, BLOCK_ALL)
@@ -190,20 +191,24 @@ def router_kernel_applies(x_TD: Tensor, weight_ED: Tensor, k: int) -> bool:
 
 
 def tickets(device: torch.device, n: int) -> Tensor:
-    """n int32 zeros that a kernel counts each row's finished programs in (the last one resets its counter to 0:
-    `router_forward`'s, ops/greedy.py's), kept per device so that a decode step does not zero them every call.
+    """At least n int32 zeros that a kernel counts each row's finished programs in (the last one resets its counter to
+    0: `router_forward`'s, ops/greedy.py's), kept per device so that a decode step does not zero them every call.
+    A larger n makes a larger buffer (doubling); every buffer made stays alive, because CUDA graphs captured with an
+    earlier one keep using it (freed, its memory could be handed to another tensor).
     NOTE: not kept when made while a CUDA graph is being captured (a fill captured there runs only at replay: that
-    graph then zeroes its own counters before each replay). Two router kernels running at the same time on two streams
-    of one device would share the counters: openk3 runs its forwards on one stream at a time."""
-    made = _TICKETS.get(device)
-    if made is None or made.numel() < n:
-        made = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        if not (made.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _TICKETS[device] = made
-    return made
+    graph then zeroes its own counters before each replay; the engine's warmup before a capture makes them first).
+    Two kernels running at the same time on two streams of one device would share the counters: openk3 runs its
+    forwards on one stream at a time."""
+    made = _TICKETS.setdefault(device, [])
+    if made and made[-1].numel() >= n:
+        return made[-1]
+    buffer = torch.zeros(max(n, 2 * made[-1].numel() if made else 64), dtype=torch.int32, device=device)
+    if not (buffer.is_cuda and torch.cuda.is_current_stream_capturing()):
+        made.append(buffer)
+    return buffer
 
 
-_TICKETS: dict[torch.device, Tensor] = {}
+_TICKETS: dict[torch.device, list[Tensor]] = {}
 
 
 def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: float,

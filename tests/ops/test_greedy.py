@@ -75,6 +75,18 @@ def test_interpreted_ties_non_finite_and_saturated_rows():
     assert logprobs[3].item() == 0.0
 
 
+@needs_triton
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+def test_kernel_compiles_for_sm90_without_spills():
+    """What the interpreter cannot check: Triton compiles the kernel for the H200 (bf16 logits, 16 slices of 2,048),
+    with no register spilled."""
+    from tests.ops.test_moe_gemv import compile_for_sm90
+    types = {"logits_ptr": "*bf16", "part_ptr": "*fp32", "tickets_ptr": "*i32", "token_ptr": "*i64",
+             "logprob_ptr": "*fp32", "finite_ptr": "*i1"}
+    usage = compile_for_sm90(greedy_module._greedy_kernel, types, {"BLOCK": greedy_module.BLOCK, "SPLITS": 16})
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+
 def test_applies_only_where_it_can_run(monkeypatch):
     x = torch.randn(2, 100)
     if not INTERPRETED:

@@ -222,7 +222,11 @@ def test_interpreted_plain_moe_runs_routed_and_shared_experts_in_one_call(T, mon
     n = len(calls)
     y_grad = moe(x)  # under autograd: no kernel
     assert rel_norm_err(y_grad, y) < 1e-5 and len(calls) == n
-    assert MoE(tiny()).latent  # (a LatentMoE adds its shared experts after its up projection: never merged)
+    latent = MoE(tiny())  # a LatentMoE adds its shared experts after its up projection: never merged
+    del calls[:]
+    with torch.no_grad():
+        latent(torch.randn(T, latent.gate.weight.shape[1]))
+    assert latent.latent and calls and all(shared != "shared" for _, shared in calls)
 
 
 @interpreted_only

@@ -158,6 +158,37 @@ def test_router_kernel_applies_only_where_it_can_run(monkeypatch):
     assert not router_kernel_applies(torch.randn(2 ** 24 // 64 // 32 + 1, 64), weight, 4)  # past MAX_SCORE_MACS
 
 
+def test_tickets_keep_every_buffer_they_made():
+    """A larger count makes a larger counter buffer, and the smaller one stays alive (CUDA graphs captured with it
+    keep using it); a smaller count reuses the largest."""
+    device = torch.device("cpu")
+    router_topk._TICKETS.pop(device, None)
+    small = router_topk.tickets(device, 10)
+    large = router_topk.tickets(device, 1000)
+    assert small.numel() == 64 and large.numel() >= 1000 and (large == 0).all()
+    assert any(t is small for t in router_topk._TICKETS[device])
+    assert router_topk.tickets(device, 100) is large
+    router_topk._TICKETS.pop(device)
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("E,D,k", [(32, 1536, 4), (896, 7168, 16)])
+def test_router_kernel_compiles_for_sm90_without_spills(E, D, k):
+    """What the interpreter cannot check: Triton compiles the router kernel (its ticket, the selection branch) for
+    the H200 at kimi-linear-1.5b's and K3's shapes with the default tiles, with no register spilled."""
+    from tests.ops.test_moe_gemv import compile_for_sm90
+    types = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "scores_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i64",
+             "w_ptr": "*fp32", "tickets_ptr": "*i32", "scale": "fp32"}
+    block_e = min(1 << ((router_topk.TILE // D).bit_length() - 1) if D < router_topk.TILE else 1,
+                  router_topk.MAX_ROWS)
+    block_all = 1 << (E - 1).bit_length()
+    usage = compile_for_sm90(router_topk._router_kernel, types, {
+        "D": D, "K": k, "BLOCK_E": block_e, "BLOCK_D": min(2048, router_topk.CHUNK // block_e),
+        "BLOCK_ALL": block_all, "BLOCK_K": k, "RANK": block_all <= router_topk.RANK_MAX_EXPERTS, "RENORM": True})
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+
 def test_applies_only_where_it_can_run(monkeypatch):
     logits = torch.randn(2, 32)
     if not INTERPRETED:

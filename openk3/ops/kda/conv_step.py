@@ -41,7 +41,7 @@ except ImportError:
 INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_C = 256  # channels a program: kimi-linear-1.5b's H*K = 2048 is 8 blocks of each of q, k, v
-LOWRANK_TILE = 8192  # weight elements a low-rank product's program reads (kimi-linear-1.5b: 64 rows of 128, 32 programs)
+LOWRANK_TILE = 8192  # weight elements a low-rank product's program reads (kimi-linear-1.5b: 64 rows of 128)
 
 
 def conv_step_supported(device: torch.device, dtype: torch.dtype) -> bool:
