@@ -911,9 +911,9 @@ class MoE(nn.Module):
         ops/moe_by_expert.py `moe_experts_by_expert` above them, each with `shared`: the add in their last kernel; the
         same roundings as `forward`'s), or None where neither runs (a gradient wanted, autocast, no kernel backend,
         larger calls), for a LatentMoE, without shared experts, for experts whose forward is not `Experts.forward`
-        (expert parallelism swaps it), or for a shared width or dtype other than the experts'. On the H200 at batch 1 the shared experts'
-        own kernels and the add took ~9 us of a MoE layer's ~40, at batch 64 ~13 us of ~85 (`decode_probe.py
-        timeline:B`, kimi-linear-1.5b, eleventh session)."""
+        (expert parallelism swaps it), or for a shared width or dtype other than the experts'. On the H200 at batch 1
+        the shared experts' own kernels and the add took ~9 us of a MoE layer's ~40, at batch 64 ~13 us of ~85
+        (`decode_probe.py timeline:B`, kimi-linear-1.5b, eleventh session)."""
         if self.latent or not hasattr(self, "shared_experts") or type(self.experts).forward is not Experts.forward \
                 or "forward" in vars(self.experts):
             return None
