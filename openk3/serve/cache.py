@@ -201,7 +201,10 @@ class PagePool:
         pages = [self.free.pop() for _ in range(n)]
         for p in pages:
             self.refs[p] = 1
-        self.storage[torch.tensor(pages, device=self.device)] = 0
+        # without waiting for the device's queued work (a decode step in flight): the page ids through `upload`, and
+        # index_fill_ (`storage[ids] = 0` copies its 0 to the device and waits; torch.tensor(pages, device=) too:
+        # 3 waits a page-crossing step at batch 64, bench/decode_probe.py run:64)
+        self.storage.index_fill_(0, device_tensor(pages, self.device), 0)
         return pages
 
     def retain(self, pages: list[int]) -> None:

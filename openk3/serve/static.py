@@ -300,19 +300,20 @@ class StepBuffers:
         its KDA state in slot slots[b]; `per_row` the other PER_ROW inputs by name (missing ones 0), `floats`
         [temperatures, top_ps]. Rows past len(seqs) pad the bucket."""
         n, T, ps, pad = len(seqs), self.T, page_size, [0] * (self.B - len(seqs))
-        # NOTE: each buffer is built as one Python list and made a tensor once: a tensor per row (the page table's
-        # rows, the per-row inputs) took 465 us a batch-64 fill on the 2-core CPU here against 226 us now, host time
-        # the device waits through between two steps
-        pos = [[s.length + t for t in range(T)] for s in seqs]
-        columns = (tokens, [[s.pages[p // ps] for p in row] for s, row in zip(seqs, pos)],
-                   [[p % ps for p in row] for row in pos])
-        rows = dict(per_row or {}, slots=slots, lengths=[s.length for s in seqs])
-        ints = [[row[t] for row in column] + pad for column in columns for t in range(T)]
-        ints += [list(rows[name]) + pad if name in rows else [0] * self.B for name in self.PER_ROW]
-        table = [s.pages + [0] * (self.P - len(s.pages)) for s in seqs] + [[0] * self.P] * len(pad)
+        # NOTE: built from a few Python lists made tensors once, the per-token columns by tensor ops on the host: a
+        # tensor per row took 465 us a batch-64 decode fill on the 2-core CPU here, and a Python list per token
+        # (the previous fill) 6.8 ms for a prefill chunk of 16 rows x 512 tokens (5.7 ms the H200 idled through,
+        # each chunk, in bench/decode_probe.py run:64); now 0.36 and 1.6 ms on that CPU
+        lengths = [s.length for s in seqs]
+        rows = dict(per_row or {}, slots=slots, lengths=lengths)
+        table = torch.tensor([s.pages + [0] * (self.P - len(s.pages)) for s in seqs] + [[0] * self.P] * len(pad))
+        pos = torch.tensor(lengths + pad)[:, None] + torch.arange(T)  # [B, T]: each new token's position
+        per_token = torch.stack([torch.tensor(tokens + [[0] * T] * len(pad)), table.gather(1, pos // ps), pos % ps])
+        per_token[1:, n:] = 0  # a padding row writes to the zero page's first slot
+        row_ints = torch.tensor([list(rows[name]) + pad if name in rows else [0] * self.B for name in self.PER_ROW])
         # through pinned memory on CUDA: a plain copy would wait for the step in flight (cache.py `upload`)
-        upload(self.ints, torch.tensor(ints))
-        upload(self.table, torch.tensor(table))
+        upload(self.ints, torch.cat([per_token.transpose(1, 2).reshape(-1, self.B), row_ints]))
+        upload(self.table, table)
         if floats is not None:
             upload(self.floats, torch.tensor([list(f) + pad for f in floats], dtype=torch.float64))
 

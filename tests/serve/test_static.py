@@ -49,6 +49,36 @@ def test_step_buffers_fill_lays_out_every_input():
     assert buf.mask()[:2, 0, :, :].sum(-1).tolist() == [[4, 5, 6], [1, 2, 3]]  # keys 0..length + t
 
 
+
+@pytest.mark.parametrize("T, page_size", [(1, 4), (5, 4), (64, 16), (512, 64)])
+def test_step_buffers_fill_matches_a_per_token_layout(T, page_size):
+    """The fill's tensor layout (a few host tensor ops, not a Python list per token) against each token's id, page
+    and offset worked out one by one, for random rows (lengths crossing pages, fewer rows than the bucket)."""
+    from types import SimpleNamespace
+
+    from openk3.serve.static import StepBuffers
+
+    rng = random.Random(T)
+    B, n = 8, 5
+    seqs = []
+    for _ in range(n):
+        length = rng.randrange(0, 3 * page_size)
+        pages = rng.sample(range(1, 10_000), -(-(length + T) // page_size))
+        seqs.append(SimpleNamespace(length=length, pages=pages))
+    P = max(len(s.pages) for s in seqs)
+    tokens = [[rng.randrange(50_000) for _ in range(T)] for _ in range(n)]
+    buf = StepBuffers(B, P, page_size, "cpu", T=T)
+    buf.fill(seqs, list(range(1, n + 1)), tokens, page_size)
+    for b, s in enumerate(seqs):
+        positions = [s.length + t for t in range(T)]
+        assert buf.ids[b].tolist() == tokens[b]
+        assert buf.write_page[b].tolist() == [s.pages[q // page_size] for q in positions]
+        assert buf.write_offset[b].tolist() == [q % page_size for q in positions]
+        assert buf.table[b].tolist() == s.pages + [0] * (P - len(s.pages))
+    for view in (buf.ids, buf.write_page, buf.write_offset, buf.table):
+        assert not view[n:].any()  # padding rows: token 0 into the zero page's first slot
+    assert buf.slots.tolist() == [1, 2, 3, 4, 5, 0, 0, 0] and buf.lengths[:n].tolist() == [s.length for s in seqs]
+
 def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
     """Drive a reference runner and other runners through the same schedule: prompts prefilled at B = 1,
     joining the batch at different steps, leaving when their budget runs out (so the batch crosses buckets and
