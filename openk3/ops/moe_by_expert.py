@@ -23,11 +23,16 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
 So every expert's weights are read once per layer (a program's F or D tile of them; a second chunk of BLOCK_M rows
 re-reads its tile from L2), at the precision of openk3/ops/moe.py's docstring: `moe_experts_by_expert` has
 `moe_experts_loop`'s signature and result (tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no
-data-dependent shapes, so it can be captured in the decode step's CUDA graph. `openk3.ops.moe_experts` sends a
-call here when `by_expert_applies` and the GEMV kernels do not take it.
+data-dependent shapes, so it can be captured in the decode step's CUDA graph.
+NOTE: two launches instead of four were tried and measured in the twelfth session (the same engine run on one
+H200, decode steps at batch 16 / 64): each program finding its expert's slots by scanning the ids (no ordering
+kernel) and the down kernel's last program per D tile combining (a ticket, as ops/router_topk.py): 1.77 / 2.59 ms a
+step against these four launches' 1.75 / 2.50 (the scan's latency comes before every program's first load); the
+ordering kernel kept and only the combine moved into the down kernel: 1.75 / 2.51. Neither was kept.
+`openk3.ops.moe_experts` sends a call here when `by_expert_applies` and the GEMV kernels do not take it.
 
 The crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) come from bench/moe_gemv.py on an H200 (see
-their NOTEs); the tiles are first guesses, not tuned. Triton's interpreter (TRITON_INTERPRET=1) runs
+their NOTEs), and so do the tiles. Triton's interpreter (TRITON_INTERPRET=1) runs
 the kernels on CPU tensors, as for moe_gemv.py.
 """
 
@@ -52,8 +57,10 @@ if triton is not None:
 BY_EXPERT_MAX_SLOTS = 1024
 
 # Tile sizes (powers of two, tl.dot needs 16 or more; a tile is capped at its dimension rounded up to a power of
-# two). NOTE: first guesses, not measured: E x F / BLOCK_F = 512 programs in kernel 1 and E x D / BLOCK_D = 768 in
-# kernel 2 at kimi-linear-1.5b's shapes.
+# two): E x F / BLOCK_F = 512 programs in kernel 1 and E x D / BLOCK_D = 768 in kernel 2 at kimi-linear-1.5b's
+# shapes. Measured on one H200 (bench/moe_gemv.py --tokens 16 64 8 --layers 15 --by-expert-blocks ..., twelfth
+# session): at S = 32 / 64 / 256 these took 33.6 / 44.9 / 49.2 us a call (3.1-3.2 TB/s of the experts' weights at
+# S >= 64), and the best of 14 other tile and warp sets 33.2 / 44.2 / 49.0: within 2%.
 BLOCK_F, BLOCK_D1 = 32, 128  # kernel 1: F rows of w1/w3 x D per step
 BLOCK_D, BLOCK_F2 = 64, 128  # kernel 2: D rows of w2 x F per step
 WARPS = (4, 4)

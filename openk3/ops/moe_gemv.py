@@ -72,7 +72,11 @@ GEMV_MAX_SLOTS = 16
 # tokens, 62.1 -> 62.7 at 16.
 BLOCK_F, BLOCK_D1 = 4, 512  # kernel 1: F rows of w1/w3 x D
 BLOCK_D, BLOCK_F2 = 4, 512  # kernel 2: D rows of w2 x F
-WARPS = (4, 4)  # warps a program of kernel 1, kernel 2 (Triton's default)
+# Warps a program of kernel 1, kernel 2: WARPS up to WARPS_MAX_SLOTS slots, else WARPS_MORE. Measured on one H200
+# (bench/moe_gemv.py --tokens 1 4 --layers 15 --blocks ..., twelfth session, without a shared expert) over the warp
+# pairs 2/4/8: at S = 4 (batch 1) 8, 8 took 11.5 us a call against 13.4 with Triton's default 4, 4 (2, 2: 12.4); at
+# S = 16 (batch 4) 2, 2 took 20.1 against 24.6 (8, 8: 25.1). S = 5 .. 15 not measured: they get the S = 16 choice.
+WARPS, WARPS_MAX_SLOTS, WARPS_MORE = (8, 8), 4, (2, 2)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -378,7 +382,7 @@ def moe_experts_gemv(
     Experts.forward rounds it before every backend). w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
     act: a callable `glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
     blocks: (BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two), warps: the warps of a program of each
-    kernel; for the bench; None = the module's (BLOCK_*, WARPS).
+    kernel; for the bench; None = the module's (BLOCK_*; WARPS, or WARPS_MORE past WARPS_MAX_SLOTS slots).
     shared: a shared expert's (gate [F, D], down [D, F], up [F, D]) weights (a plain MoE's, of the routed experts'
     F): every token also runs through it as one more slot, and y is then the MoE's `routed + shared`, each rounded to
     x's dtype and added in fp32, as `MoE.forward` adds them: two launches for both (model.py `MoE.experts_with_shared`).
@@ -403,7 +407,7 @@ def moe_experts_gemv(
     h_SF = torch.empty((S + (T if shared is not None else 0), F), dtype=x_TD.dtype, device=x_TD.device)
     y_TD = torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
     situ = spec.kind == "situ"
-    warps1, warps2 = warps or WARPS
+    warps1, warps2 = warps or (WARPS if S <= WARPS_MAX_SLOTS else WARPS_MORE)
     _gate_up_kernel[(h_SF.shape[0], triton.cdiv(F, block_f))](
         x_TD, idx_S, w1_EFD, w3_EFD, w1s, w3s, h_SF, E, S, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
         SITU=situ, beta=float(spec.beta), linear_beta=float(spec.linear_beta), BLOCK_F=block_f, BLOCK_D=block_d1,
