@@ -37,6 +37,9 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                it: its duration and the idle gap before it; totals (kernels, device-busy us, gap us, the span from
                the first kernel's start to the last one's end) and the names by device time, to
                <out>/timeline_b<B>.json
+  run:B        a whole decode benchmark run of B prompts (vs_transformers_decode.py's): the host's ms in each engine
+               phase, the lines where it waits for the device (sync debug mode), the device's busy and idle time
+               and its largest gaps, to <out>/run_b<B>.json
   decode:B     B requests of 512-token prompts in the engine's decode batch (its default path: CUDA graphs): the
                wall ms of an engine step (20 steps), then 10 steps under the profiler; decode:B:c with the compiled
                step (`compile_decode`)
@@ -235,17 +238,10 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
                                        for k in order}}
 
 
-def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
+def kernel_timeline(prof) -> tuple[list[dict], dict, list]:
+    """The device's kernels of a profile in the order they ran -> (a row per kernel: name, us, the idle gap before
+    it; totals: kernels, busy us, gap us, span us; (name, [count, us]) by device time)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    engine, reqs = decoding(model, args, rng, B)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.step()
-        torch.cuda.synchronize()
-    for r in reqs:
-        engine.cancel(r.id)
-    engine.step()
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     rows, end, by_name = [], None, {}
@@ -261,14 +257,114 @@ def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
     gaps = sum(r["gap_us"] for r in rows)
     span = (end - kernels[0].time_range.start) if kernels else 0.0
     total = {"kernels": len(rows), "busy_us": busy, "gap_us": gaps, "span_us": span}
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    print(f"  timeline batch {B}: {len(rows)} kernels, {busy:.0f} us busy + {gaps:.0f} us gaps = {span:.0f} us span")
+    return rows, total, sorted(by_name.items(), key=lambda kv: -kv[1][1])
+
+
+def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, reqs = decoding(model, args, rng, B)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    for r in reqs:
+        engine.cancel(r.id)
+    engine.step()
+    rows, total, top = kernel_timeline(prof)
+    print(f"  timeline batch {B}: {len(rows)} kernels, {total['busy_us']:.0f} us busy + {total['gap_us']:.0f} us gaps "
+          f"= {total['span_us']:.0f} us span")
     for name, (n, us) in top[:25]:
         print(f"    {us:8.1f} us {n:4d}x  {name}")
     (out_dir / f"timeline_b{B}.json").write_text(json.dumps(
         {"total": total, "by_name": [{"name": k, "count": n, "us": us} for k, (n, us) in top], "kernels": rows},
         indent=1))
     return {"total": total, "top": [{"name": k, "count": n, "us": us} for k, (n, us) in top[:25]]}
+
+
+def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
+    """A whole benchmark run (B prompts of 512 tokens, `--decode-tokens` greedy tokens each, as
+    vs_transformers_decode.py's decode part times it) split three ways: the host's time in each engine phase (no
+    syncs added), the Python lines where the host waited for the device (torch's sync debug mode), and the device's
+    kernels with the idle gaps between them (the largest ones with their neighbours)."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = engine_for(model, args, B, prefix_cache=False)
+    prompts = random_prompts(B, 512, model.config.vocab_size, rng)
+    tokens = args.decode_tokens
+    engine.generate(prompts, greedy(tokens))  # untimed: captures the buckets
+
+    def timed_run() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, greedy(tokens))
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+    out = {"ms": timed_run(), "tokens": B * tokens}
+    # the host's time in each phase: the engine's steps, and inside them the prefill's and the decode's parts
+    phases: dict[str, list[float]] = {}
+    owners = [(engine, ("step", "_admit", "_prefill", "_prefill_group", "_prefilled", "_decode", "_retire",
+                        "_launch_static", "_collect_static")),
+              (engine.target, ("forward", "join", "collect", "launch_decode")),
+              (engine.target.decoder, ("prefill", "_launch")),
+              (engine.target.slots, ("take_rows", "read"))]
+    for owner, names in owners:
+        for name in names:
+            if not hasattr(owner, name):
+                continue
+            def wrap(fn, key=f"{type(owner).__name__}.{name}"):
+                def timed_call(*a, **kw):
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        ph = phases.setdefault(key, [0, 0.0])
+                        ph[0] += 1
+                        ph[1] += (time.perf_counter() - t0) * 1e3
+                return timed_call
+            setattr(owner, name, wrap(getattr(owner, name)))
+    out["phased_ms"] = timed_run()
+    out["host_ms"] = {k: {"calls": n, "ms": round(ms, 3)} for k, (n, ms) in phases.items()}
+    # where the host waits: every sync torch's debug mode reports, by the innermost openk3 / bench lines above it
+    sites: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/openk3/" in f.filename or "/bench/" in f.filename]
+        sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:3])] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out["synced_ms"] = timed_run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    out["sync_sites"] = dict(sites.most_common(25))
+    for owner, names in owners:
+        for name in names:
+            owner.__dict__.pop(name, None)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out["profiled_ms"] = timed_run()
+    rows, total, top = kernel_timeline(prof)
+    largest = sorted(range(1, len(rows)), key=lambda i: -rows[i]["gap_us"])[:20]
+    out["timeline"] = total
+    out["gaps_over_50us"] = {"count": sum(r["gap_us"] > 50 for r in rows),
+                             "us": sum(r["gap_us"] for r in rows if r["gap_us"] > 50)}
+    out["largest_gaps"] = [{"gap_us": rows[i]["gap_us"], "after": rows[i - 1]["name"], "before": rows[i]["name"]}
+                           for i in sorted(largest)]
+    out["by_name"] = [{"name": k, "count": n, "us": us} for k, (n, us) in top[:30]]
+    print(f"  run batch {B}: {out['ms']:.1f} ms ({B * tokens / out['ms'] * 1e3:.0f} tokens/s); profiled: "
+          f"{total['kernels']} kernels, {total['busy_us'] / 1e3:.1f} ms busy + {total['gap_us'] / 1e3:.1f} ms idle, "
+          f"{out['gaps_over_50us']['count']} gaps over 50 us ({out['gaps_over_50us']['us'] / 1e3:.1f} ms)")
+    for k, v in sorted(out["host_ms"].items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"    host {v['ms']:8.2f} ms {v['calls']:5d}x  {k}")
+    for site, n in out["sync_sites"].items():
+        print(f"    sync {n:5d}x  {site}")
+    (out_dir / f"run_b{B}.json").write_text(json.dumps(out, indent=1))
+    return out
 
 
 def part_linear() -> dict:
@@ -475,7 +571,7 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("parts", nargs="+", help="kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], modules:B, "
-                                            "timeline:B, decode:B, decode:B:c or spec:k")
+                                            "timeline:B, run:B, decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -513,14 +609,16 @@ def main() -> None:
                 results[name] = part_mla()
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
+            elif name.startswith("run:"):
+                results[name] = part_run(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("timeline:"):
                 results[name] = part_timeline(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("decode:"):
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
             else:
-                raise ValueError(f"unknown part {name!r}: kda, attn, hit, prefill:L[:B[:C]], decode:B, decode:B:c "
-                                 f"or spec:k")
+                raise ValueError(f"unknown part {name!r}: kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], "
+                                 f"modules:B, timeline:B, run:B, decode:B, decode:B:c or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()
