@@ -11,20 +11,10 @@ import torch
 from openk3.config import get_config, tiny
 from openk3.model import model as model_module
 from openk3.model.model import GEMV_MLP_TOKENS, MLP
-from openk3.ops import moe_gemv
-from tests.helpers import rel_norm_err, run_interpreted_child
-
-needs_triton = pytest.mark.skipif(moe_gemv.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-INTERPRETED = moe_gemv.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
+from tests.helpers import cuda, interpreted_only, interpreter_child_test, rel_norm_err
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 def random_mlp(config, hidden, inter, dtype, device, seed):

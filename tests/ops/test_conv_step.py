@@ -17,17 +17,11 @@ from openk3.ops.kda import conv_step
 from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place, conv_step_supported
 from openk3.ops.kda.fused import conv_silu_one_token
 from openk3.serve.static import SlotPool
-from tests.helpers import rel_err, run_interpreted_child
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, needs_triton, rel_err
 from tests.model import test_kda_fused_routing as routing
 from tests.model.test_kda_fused_routing import fake_fla  # noqa: F401 (the fixture)
 from tests.ops.test_moe_gemv import compile_for_sm90
 from tests.serve.test_cache import small_model
-
-needs_triton = pytest.mark.skipif(conv_step.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-INTERPRETED = conv_step.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
 
 
 @pytest.fixture
@@ -95,11 +89,7 @@ def check_against_reference(B, H, K, W, dtype, pool_dtype, pad, rows, device="cp
 
 # ---- in the parent process (no kernel runs)
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernel on the CPU")

@@ -11,19 +11,10 @@ import torch.nn.functional as F
 from openk3.model.model import Linear
 from openk3.ops import gemv as gemv_module
 from openk3.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_applies
-from tests.helpers import rel_norm_err, run_interpreted_child
-
-needs_triton = pytest.mark.skipif(gemv_module.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-INTERPRETED = gemv_module.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, rel_norm_err
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 def check(device, shape, K, N, dtype, seed=0, strided=False):

@@ -10,19 +10,10 @@ import torch
 
 from openk3.ops import greedy as greedy_module
 from openk3.ops.greedy import greedy_pick, greedy_pick_applies
-from tests.helpers import run_interpreted_child
-
-needs_triton = pytest.mark.skipif(greedy_module.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-INTERPRETED = greedy_module.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, needs_triton
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 def chain(logits):

@@ -11,26 +11,15 @@ import torch
 from openk3.ops import mla_decode
 from openk3.ops.mla_decode import (latent_attention, paged_latent_attention, paged_latent_attention_reference,
                                    select_paged_attention, split_keys, visible_mask)
-from tests.helpers import rel_norm_err, run_interpreted_child
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, needs_triton, rel_norm_err
 
-needs_triton = pytest.mark.skipif(mla_decode.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-# True in the child process `test_kernel_under_the_interpreter` starts (TRITON_INTERPRET=1 before triton's import)
-INTERPRETED = mla_decode.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernel_under_the_interpreter starts")
 
 # fp32 matches to the order of the fp32 sums; fp16 and bf16 within their rounding of p and of o_lat. NOTE: the
 # interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest): its bf16 bound is loose, the GPU test's tight.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernel_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 def random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed, layers=2, layer=1, device="cpu"):

@@ -13,16 +13,12 @@ from openk3.ops.moe import expert_order, moe_experts_grouped, moe_experts_loop
 from openk3.ops.moe_by_expert import BY_EXPERT_MAX_SLOTS, by_expert_applies, expert_rows, moe_experts_by_expert
 from openk3.ops.moe_gemv import GEMV_MAX_SLOTS
 from openk3.ops.situ import swiglu
-from tests.helpers import rel_norm_err, run_interpreted_child
-from tests.ops.test_moe_gemv import (INTERPRETED, KIMI_LINEAR_EXPERTS, TOLERANCE, compile_for_sm90, cuda,
-                                     interpreted_only, needs_triton, random_moe, shared_expert, situ_k3, situ_other)
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, needs_triton, rel_norm_err
+from tests.ops.test_moe_gemv import (KIMI_LINEAR_EXPERTS, TOLERANCE, compile_for_sm90, random_moe, shared_expert,
+                                     situ_k3, situ_other)
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 def run_both(inputs, act, **kw):
@@ -280,7 +276,6 @@ def test_by_expert_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, moe_experts_by_expert(*fresh, swiglu))
-
 
 
 @cuda

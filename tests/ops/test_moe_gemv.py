@@ -21,10 +21,7 @@ from openk3.ops.moe_by_expert import BY_EXPERT_MAX_SLOTS
 from openk3.ops.moe_gemv import GEMV_MAX_SLOTS, GLUSpec, gemv_applies, glu_spec
 from openk3.ops.mxfp import fake_quant_mxfp4
 from openk3.ops.situ import situ_glu, swiglu
-from tests.helpers import rel_norm_err, run_interpreted_child
-
-needs_triton = pytest.mark.skipif(moe_gemv.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, needs_triton, rel_norm_err
 
 
 def situ_k3(gate, up):
@@ -39,17 +36,7 @@ situ_k3.glu = GLUSpec("situ", 4.0, 25.0)
 situ_other.glu = GLUSpec("situ", 2.5, 7.0)
 
 
-# True in the child process `test_kernels_under_the_interpreter` starts (TRITON_INTERPRET=1 before triton's import)
-INTERPRETED = moe_gemv.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
-
-
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 def random_moe(T, D, F, E, K, dtype, seed, scale=1.0, device="cpu"):

@@ -14,13 +14,7 @@ from openk3.model.model import Router
 from openk3.ops import router_topk
 from openk3.ops.moe import route
 from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
-from tests.helpers import run_interpreted_child
-
-needs_triton = pytest.mark.skipif(router_topk.triton is None, reason="triton is not installed")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-INTERPRETED = router_topk.INTERPRET
-interpreted_only = pytest.mark.skipif(not INTERPRETED,
-                                      reason="runs in the child that test_kernels_under_the_interpreter starts")
+from tests.helpers import INTERPRETED, cuda, interpreted_only, interpreter_child_test, needs_triton
 
 
 def eager_chain(logits, bias, k, renorm, scale):
@@ -53,11 +47,7 @@ CASES = [(1, 32, 4, True, 1.0), (5, 32, 4, False, 2.5), (3, 8, 2, True, 1.0), (2
          (4, 63, 5, True, 0.7)]
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child")
-def test_kernels_under_the_interpreter():
-    """The `test_interpreted_*` tests in a child pytest with TRITON_INTERPRET=1 (tests/helpers.py)."""
-    run_interpreted_child(__file__)
+test_kernels_under_the_interpreter = interpreter_child_test(__file__)
 
 
 @interpreted_only
