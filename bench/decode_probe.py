@@ -305,33 +305,44 @@ def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
         return (time.perf_counter() - t0) * 1e3
     out = {"ms": timed_run(), "tokens": B * tokens}
     # the host's time in each phase: the engine's steps, and inside them the prefill's and the decode's parts
+    # (wrappers set as instance attributes for this one run, whatever was there before put back after it)
     phases: dict[str, list[float]] = {}
     owners = [(engine, ("step", "_admit", "_prefill", "_prefill_group", "_prefilled", "_decode", "_retire",
                         "_launch_static", "_collect_static")),
               (engine.target, ("forward", "join", "collect", "launch_decode")),
               (engine.target.decoder, ("prefill", "_launch")),
               (engine.target.slots, ("take_rows", "read"))]
-    for owner, names in owners:
-        for name in names:
-            if not hasattr(owner, name):
-                continue
-            def wrap(fn, key=f"{type(owner).__name__}.{name}"):
-                def timed_call(*a, **kw):
-                    t0 = time.perf_counter()
-                    try:
-                        return fn(*a, **kw)
-                    finally:
-                        ph = phases.setdefault(key, [0, 0.0])
-                        ph[0] += 1
-                        ph[1] += (time.perf_counter() - t0) * 1e3
-                return timed_call
-            setattr(owner, name, wrap(getattr(owner, name)))
-    out["phased_ms"] = timed_run()
+    missing = object()
+    saved = [(owner, name, owner.__dict__.get(name, missing)) for owner, names in owners for name in names
+             if hasattr(owner, name)]
+
+    def wrap(fn, key):
+        def timed_call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                ph = phases.setdefault(key, [0, 0.0])
+                ph[0] += 1
+                ph[1] += (time.perf_counter() - t0) * 1e3
+        return timed_call
+    try:
+        for owner, name, _ in saved:
+            setattr(owner, name, wrap(getattr(owner, name), f"{type(owner).__name__}.{name}"))
+        out["phased_ms"] = timed_run()
+    finally:
+        for owner, name, before in saved:
+            if before is missing:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, before)
     out["host_ms"] = {k: {"calls": n, "ms": round(ms, 3)} for k, (n, ms) in phases.items()}
-    # where the host waits: every sync torch's debug mode reports, by the innermost openk3 / bench lines above it
+    # where the host waits: every sync torch's debug mode reports, by the three innermost openk3 / bench lines
     sites: Counter = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if "/openk3/" in f.filename or "/bench/" in f.filename]
         sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:3])] += 1
     with warnings.catch_warnings():
@@ -343,9 +354,6 @@ def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     out["sync_sites"] = dict(sites.most_common(25))
-    for owner, names in owners:
-        for name in names:
-            owner.__dict__.pop(name, None)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out["profiled_ms"] = timed_run()
     rows, total, top = kernel_timeline(prof)

@@ -185,8 +185,11 @@ def main() -> None:
             paths = [("grouped", cycled(lambda a, b, c: moe_experts_grouped(x, idx, w, a, b, c, act)), None),
                      ("grouped+combine", cycled(lambda a, b, c: moe_experts_grouped_combined(x, idx, w, a, b, c, act)),
                       None)]
+            module_warps = moe_gemv.WARPS if T * K <= moe_gemv.WARPS_MAX_SLOTS else moe_gemv.WARPS_MORE
             for blocks in args.blocks:
-                label = "gemv " + ",".join(map(str, blocks or default_blocks))
+                # the tiles, then the warps of each kernel (the module's rule, by S, unless given)
+                label = "gemv " + ",".join(map(str, tuple((blocks or default_blocks)[:4]) + tuple(
+                    blocks[4:] if blocks and blocks[4:] else module_warps)))
                 tiles, warps = (blocks[:4], blocks[4:] or None) if blocks else (None, None)
                 paths.append((label, cycled(lambda a, b, c, t=tiles, n=warps: moe_experts_gemv(
                     x, idx, w, a, b, c, act, blocks=t, warps=n)), blocks))

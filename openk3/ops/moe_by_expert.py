@@ -28,7 +28,8 @@ NOTE: two launches instead of four were tried and measured in the twelfth sessio
 H200, decode steps at batch 16 / 64): each program finding its expert's slots by scanning the ids (no ordering
 kernel) and the down kernel's last program per D tile combining (a ticket, as ops/router_topk.py): 1.77 / 2.59 ms a
 step against these four launches' 1.75 / 2.50 (the scan's latency comes before every program's first load); the
-ordering kernel kept and only the combine moved into the down kernel: 1.75 / 2.51. Neither was kept.
+ordering kernel kept and only the combine moved into the down kernel: 1.75 / 2.51 (its end-to-end lead in that
+run, 1-2.5%, was all in the prefill, which these kernels do not run: docs/engine.md). Neither was kept.
 `openk3.ops.moe_experts` sends a call here when `by_expert_applies` and the GEMV kernels do not take it.
 
 The crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) come from bench/moe_gemv.py on an H200 (see

@@ -203,7 +203,7 @@ class PagePool:
             self.refs[p] = 1
         # without waiting for the device's queued work (a decode step in flight): the page ids through `upload`, and
         # index_fill_ (`storage[ids] = 0` copies its 0 to the device and waits; torch.tensor(pages, device=) too:
-        # 3 waits a page-crossing step at batch 64, bench/decode_probe.py run:64)
+        # two waits an alloc, 384 in a batch-64 run of bench/decode_probe.py run:64)
         self.storage.index_fill_(0, device_tensor(pages, self.device), 0)
         return pages
 

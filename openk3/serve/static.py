@@ -300,10 +300,15 @@ class StepBuffers:
         its KDA state in slot slots[b]; `per_row` the other PER_ROW inputs by name (missing ones 0), `floats`
         [temperatures, top_ps]. Rows past len(seqs) pad the bucket."""
         n, T, ps, pad = len(seqs), self.T, page_size, [0] * (self.B - len(seqs))
-        # NOTE: built from a few Python lists made tensors once, the per-token columns by tensor ops on the host: a
-        # tensor per row took 465 us a batch-64 decode fill on the 2-core CPU here, and a Python list per token
-        # (the previous fill) 6.8 ms for a prefill chunk of 16 rows x 512 tokens (5.7 ms the H200 idled through,
-        # each chunk, in bench/decode_probe.py run:64); now 0.36 and 1.6 ms on that CPU
+        # NOTE: built from a few Python lists made tensors once, the per-token columns by tensor ops on the host. On
+        # the 2-core CPU here a prefill chunk of 16 rows x 512 tokens took 6.8 ms with a Python list per token (the
+        # fill before; the H200 idled through ~5.7 ms of it each chunk, bench/decode_probe.py run:64), 1.6 ms now;
+        # a decode step's fill (T = 1) ~37 us at batch 1 and ~225 us at batch 64, against ~20 and ~234 before (the
+        # host's slack while the step before runs on the device; a tensor per row had taken 465 us at batch 64)
+        short = [b for b, s in enumerate(seqs) if len(s.pages) * ps < s.length + T]
+        if short:  # (the engine grows the page tables first: `_launch`)
+            raise ValueError(f"row {short[0]}'s {len(seqs[short[0]].pages)} pages do not cover positions up to "
+                             f"{seqs[short[0]].length + T - 1} (page size {ps})")
         lengths = [s.length for s in seqs]
         rows = dict(per_row or {}, slots=slots, lengths=lengths)
         table = torch.tensor([s.pages + [0] * (self.P - len(s.pages)) for s in seqs] + [[0] * self.P] * len(pad))

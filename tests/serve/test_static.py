@@ -49,7 +49,6 @@ def test_step_buffers_fill_lays_out_every_input():
     assert buf.mask()[:2, 0, :, :].sum(-1).tolist() == [[4, 5, 6], [1, 2, 3]]  # keys 0..length + t
 
 
-
 @pytest.mark.parametrize("T, page_size", [(1, 4), (5, 4), (64, 16), (512, 64)])
 def test_step_buffers_fill_matches_a_per_token_layout(T, page_size):
     """The fill's tensor layout (a few host tensor ops, not a Python list per token) against each token's id, page
@@ -68,6 +67,7 @@ def test_step_buffers_fill_matches_a_per_token_layout(T, page_size):
     P = max(len(s.pages) for s in seqs)
     tokens = [[rng.randrange(50_000) for _ in range(T)] for _ in range(n)]
     buf = StepBuffers(B, P, page_size, "cpu", T=T)
+    buf.ints.fill_(-1), buf.table.fill_(-1)  # stale values a fill must overwrite
     buf.fill(seqs, list(range(1, n + 1)), tokens, page_size)
     for b, s in enumerate(seqs):
         positions = [s.length + t for t in range(T)]
@@ -78,6 +78,10 @@ def test_step_buffers_fill_matches_a_per_token_layout(T, page_size):
     for view in (buf.ids, buf.write_page, buf.write_offset, buf.table):
         assert not view[n:].any()  # padding rows: token 0 into the zero page's first slot
     assert buf.slots.tolist() == [1, 2, 3, 4, 5, 0, 0, 0] and buf.lengths[:n].tolist() == [s.length for s in seqs]
+    seqs[2].pages.pop()  # a row whose pages do not cover its new tokens: an error, not a write into the zero page
+    with pytest.raises(ValueError, match="row 2's"):
+        buf.fill(seqs, list(range(1, n + 1)), tokens, page_size)
+
 
 def ragged_decode(model, runners, steps=14, seed=0, tol=1e-5, exact=True):
     """Drive a reference runner and other runners through the same schedule: prompts prefilled at B = 1,
