@@ -30,9 +30,9 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
   router       the router kernel over its tiles and warps against the eager chain (cuBLAS, sigmoid, selection):
                us a call at kimi-linear-1.5b's and K3's shapes
   mla          the paged MLA decode kernel over its key splits and key blocks at batch 1, 16, 64: us a call
-  linear       cuBLAS's F.linear against openk3/ops/gemv.py's kernel at kimi-linear-1.5b's decode shapes, 1 / 2 / 4
-               rows, each timed as a CUDA graph of 20 calls over 20 weights (one a call): us a call and the weight
-               bytes read a second
+  linear       cuBLAS's F.linear against openk3/ops/gemv.py's kernel (at one row also with 2 and 8 warps a program) at
+               kimi-linear-1.5b's decode shapes, 1 / 2 / 4 rows, each timed as a CUDA graph of 20 calls over 20
+               weights (one a call): us a call and the weight bytes read a second
   timeline:B   one engine step of B rows on its default path (CUDA graphs), every kernel in the order the device ran
                it: its duration and the idle gap before it; totals (kernels, device-busy us, gap us, the span from
                the first kernel's start to the last one's end) and the names by device time, to
@@ -397,8 +397,13 @@ def part_linear() -> dict:
             gbs = N * K * 2 / 1e3
             out[f"{name} T={T}"] = {"cublas_us": cublas, "gemv_us": triton_us, "rel_err": err,
                                     "cublas_GBps": gbs / cublas, "gemv_GBps": gbs / triton_us}
+            # the kernel at other warps a program (one row: the rows it runs)
+            others = {n: time_graph(lambda n=n: gemv(x, ws[next(it) % 20], warps=n), 20, 10)
+                      for n in (2, 8)} if T == 1 else {}
+            out[f"{name} T={T}"].update({f"gemv_us_warps{n}": us for n, us in others.items()})
             print(f"  {name:28s} T={T}  cuBLAS {cublas:7.2f} us ({gbs / cublas:5.0f} GB/s)  gemv {triton_us:7.2f} us "
-                  f"({gbs / triton_us:5.0f} GB/s)  rel err {err:.1e}", flush=True)
+                  f"({gbs / triton_us:5.0f} GB/s)" + "".join(f", {n} warps {us:.2f} us" for n, us in others.items())
+                  + f"  rel err {err:.1e}", flush=True)
     return out
 
 

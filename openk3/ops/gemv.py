@@ -89,9 +89,10 @@ if triton is not None:
                  mask=t_mask[:, None] & n_mask[None, :])
 
 
-def gemv(x: Tensor, weight: Tensor) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, warps: int = 4) -> Tensor:
     """F.linear(x, weight) (no bias) for x [..., K] of few rows, weight [N, K] -> [..., N] in x's dtype (module
-    docstring). Only where `gemv_applies`."""
+    docstring). Only where `gemv_applies`. warps: a program's warps (Triton's default 4; other values for the bench,
+    `bench/decode_probe.py linear`)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x_TK = x.reshape(-1, K)
@@ -100,5 +101,6 @@ def gemv(x: Tensor, weight: Tensor) -> Tensor:
     block_k = min(1024 if K % 1024 == 0 else 512, triton.next_power_of_2(K))
     block_n = min(8, max(2, TILE // block_k))
     _gemv_kernel[(triton.cdiv(N, block_n),)](x_TK, weight, y, N, x_TK.stride(0), K=K, T=T,
-                                             BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k)
+                                             BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
+                                             num_warps=warps)
     return y.view(*x.shape[:-1], N)
