@@ -240,7 +240,7 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
 
 def kernel_timeline(prof) -> tuple[list[dict], dict, list]:
     """The device's kernels of a profile in the order they ran -> (a row per kernel: name, us, the idle gap before
-    it; totals: kernels, busy us, gap us, span us; (name, [count, us]) by device time)."""
+    it; totals: kernels, busy us, gap us, span us; {name, count, us} by device time)."""
     from torch.autograd import DeviceType
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
@@ -257,7 +257,8 @@ def kernel_timeline(prof) -> tuple[list[dict], dict, list]:
     gaps = sum(r["gap_us"] for r in rows)
     span = (end - kernels[0].time_range.start) if kernels else 0.0
     total = {"kernels": len(rows), "busy_us": busy, "gap_us": gaps, "span_us": span}
-    return rows, total, sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return rows, total, [{"name": k, "count": n, "us": us} for k, (n, us) in top]
 
 
 def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
@@ -273,12 +274,11 @@ def part_timeline(model, args, rng, B: int, out_dir: Path) -> dict:
     rows, total, top = kernel_timeline(prof)
     print(f"  timeline batch {B}: {len(rows)} kernels, {total['busy_us']:.0f} us busy + {total['gap_us']:.0f} us gaps "
           f"= {total['span_us']:.0f} us span")
-    for name, (n, us) in top[:25]:
-        print(f"    {us:8.1f} us {n:4d}x  {name}")
-    (out_dir / f"timeline_b{B}.json").write_text(json.dumps(
-        {"total": total, "by_name": [{"name": k, "count": n, "us": us} for k, (n, us) in top], "kernels": rows},
-        indent=1))
-    return {"total": total, "top": [{"name": k, "count": n, "us": us} for k, (n, us) in top[:25]]}
+    for r in top[:25]:
+        print(f"    {r['us']:8.1f} us {r['count']:4d}x  {r['name']}")
+    (out_dir / f"timeline_b{B}.json").write_text(json.dumps({"total": total, "by_name": top, "kernels": rows},
+                                                            indent=1))
+    return {"total": total, "top": top[:25]}
 
 
 def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
@@ -363,7 +363,7 @@ def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
                              "us": sum(r["gap_us"] for r in rows if r["gap_us"] > 50)}
     out["largest_gaps"] = [{"gap_us": rows[i]["gap_us"], "after": rows[i - 1]["name"], "before": rows[i]["name"]}
                            for i in sorted(largest)]
-    out["by_name"] = [{"name": k, "count": n, "us": us} for k, (n, us) in top[:30]]
+    out["by_name"] = top[:30]
     print(f"  run batch {B}: {out['ms']:.1f} ms ({B * tokens / out['ms'] * 1e3:.0f} tokens/s); profiled: "
           f"{total['kernels']} kernels, {total['busy_us'] / 1e3:.1f} ms busy + {total['gap_us'] / 1e3:.1f} ms idle, "
           f"{out['gaps_over_50us']['count']} gaps over 50 us ({out['gaps_over_50us']['us'] / 1e3:.1f} ms)")

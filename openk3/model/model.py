@@ -33,7 +33,7 @@ except ImportError:
 
 from openk3.config import K3Config
 from openk3.model.state import K3Cache, KDAState, MLAState, SlotKDAState
-from openk3.ops import moe_experts, select_moe_backend
+from openk3.ops import moe_experts, small_experts_kernel
 from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
@@ -41,8 +41,7 @@ from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
 from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
 from openk3.ops.mla_decode import latent_attention, paged_latent_attention
 from openk3.ops.moe import route
-from openk3.ops.moe_by_expert import by_expert_applies, moe_experts_by_expert
-from openk3.ops.moe_gemv import GLUSpec, gemv_applies, moe_experts_gemv
+from openk3.ops.moe_gemv import GLUSpec
 from openk3.ops.router_topk import route_kernel_applies, route_topk, router_forward, router_kernel_applies
 from openk3.ops.mxfp import fake_quant_mxfp4, fake_quant_mxfp8
 from openk3.ops.situ import situ_glu, swiglu
@@ -235,24 +234,15 @@ class MLP(nn.Module):
         cuBLAS ran kimi-linear-1.5b's shared expert (1536 -> 2 x 512 -> 1536) as three kernels of 14.8 us a layer
         together, its gate/up GEMV at ~0.3 TB/s (`decode_probe.py modules:1`, tenth session)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        weights = self.gemv_weights(x_TD)
-        if weights is None:
-            return None
-        idx, w = one_expert_route(x_TD)
-        return moe_experts_gemv(x_TD, idx, w, *weights, self.act).view(*x.shape[:-1], -1)
-
-    def gemv_weights(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """This MLP's (gate, down, up) weights viewed as one expert [1, ...] where `gemv` runs for x [T, D], else
-        None (no sync: shapes and flags only)."""
         if x_TD.shape[0] > GEMV_MLP_TOKENS or torch.is_grad_enabled() or torch.is_autocast_enabled(x_TD.device.type):
             return None
-        if select_moe_backend(x_TD.device.type, x_TD.dtype).small is None:
-            return None
         weights = (self.gate_proj.weight[None], self.down_proj.weight[None], self.up_proj.weight[None])
-        idx, w = one_expert_route(x_TD)
-        if not gemv_applies(x_TD, idx, w, *weights, self.act) or any(p.dtype != x_TD.dtype for p in weights):
+        if any(p.dtype != x_TD.dtype for p in weights):
             return None
-        return weights
+        idx, w = one_expert_route(x_TD)
+        # (one token slot a token, at most GEMV_MLP_TOKENS: the GEMV kernels wherever the backend has them)
+        kernel = small_experts_kernel(x_TD, idx, w, *weights, self.act)
+        return None if kernel is None else kernel(x_TD, idx, w, *weights, self.act).view(*x.shape[:-1], -1)
 
 
 # NOTE: `MLP.gemv` up to this many tokens. Measured on the H200 at batch 1 only (tenth session); at 16 tokens the
@@ -924,16 +914,9 @@ class MoE(nn.Module):
         experts = (self.experts.w1, self.experts.w2, self.experts.w3)
         if shared[0].shape != experts[0].shape[1:] or any(p.dtype != x_TD.dtype for p in shared + experts):
             return None
-        backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
-        args = (x_TD, idx, w, *experts, self.act)
-        if backend.small is not None and gemv_applies(*args):
-            fn = moe_experts_gemv
-        elif backend.by_expert is not None and by_expert_applies(*args):
-            fn = moe_experts_by_expert
-        else:
-            return None
+        kernel = small_experts_kernel(x_TD, idx, w, *experts, self.act)
         # (the kernels round the fp32 routing weights to x's dtype as Experts.forward does before it calls them)
-        return fn(x_TD, idx, w, *experts, self.act, shared=shared)
+        return None if kernel is None else kernel(x_TD, idx, w, *experts, self.act, shared=shared)
 
 
 # --------------------------------------------------------------------------------- decoder layer

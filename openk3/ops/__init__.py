@@ -126,10 +126,9 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
     `backend.inference` where there is one."""
     backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
     args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
-    if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
-        return backend.small(*args)
-    if backend.by_expert is not None and by_expert_applies(*args, weight_fn=weight_fn):
-        return backend.by_expert(*args)
+    kernel = small_experts_kernel(*args, weight_fn=weight_fn)
+    if kernel is not None:
+        return kernel(*args)
     if backend.fn is moe_experts_grouped and x_TD.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # NOTE: torch.compile traces torch._grouped_mm in bf16 only (ops/moe.py); a compiled fp32 model (the CPU's,
         # train/compile.py) runs the same grouped kernel outside the graph (a graph break), not a different backend
@@ -137,6 +136,20 @@ def moe_experts(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Te
     if backend.inference is not None and not needs_grad(x_TD, topk_w_TK, w1_EFD, w2_EDF, w3_EFD):
         return backend.inference(*args, weight_fn=weight_fn)
     return backend.fn(*args, weight_fn=weight_fn)
+
+
+def small_experts_kernel(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+                         w3_EFD: Tensor, act, weight_fn=None):
+    """The kernel `moe_experts` runs these arguments through where it is one of the backend's decode-sized ones
+    (`backend.small`: the GEMV kernels, or `backend.by_expert`), else None; both take a `shared` expert (model.py
+    `MoE.experts_with_shared`). Shapes and flags only: no sync."""
+    backend = select_moe_backend(x_TD.device.type, x_TD.dtype)
+    args = (x_TD, topk_idx_TK, topk_w_TK, w1_EFD, w2_EDF, w3_EFD, act)
+    if backend.small is not None and gemv_applies(*args, weight_fn=weight_fn):
+        return backend.small
+    if backend.by_expert is not None and by_expert_applies(*args, weight_fn=weight_fn):
+        return backend.by_expert
+    return None
 
 
 _grouped_outside_graph = torch.compiler.disable(moe_experts_grouped)

@@ -188,8 +188,6 @@ def test_interpreted_plain_moe_runs_routed_and_shared_experts_in_one_call(T, mon
         return call
     gemv = spy(moe_gemv.moe_experts_gemv, "gemv")
     by_expert = spy(moe_by_expert.moe_experts_by_expert, "by_expert")
-    monkeypatch.setattr("openk3.model.model.moe_experts_gemv", gemv)
-    monkeypatch.setattr("openk3.model.model.moe_experts_by_expert", by_expert)
     monkeypatch.setattr(ops, "moe_experts_gemv", gemv)
     monkeypatch.setattr(ops, "moe_experts_by_expert", by_expert)
     monkeypatch.delenv("OPENK3_MOE_GEMV", raising=False)
