@@ -23,6 +23,8 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                S - T cached, at shapes not seen before in the process: ms of the first call (cuDNN builds an
                execution plan per new shape) and of a repeat, for cuDNN's two merged parts and the varlen flash kernel;
                then a prompt's first chunk (T x T, plain causal) through SDPA's order (cuDNN first) and varlen
+  prefill-modules:L[:B[:C]]  modules:B's split for prefill:L:B:C, its path (static runs up to 512 tokens a row) run
+               eagerly, to <out>/prefill_modules_<L>_b<B>_c<C>.json
   modules:B    the kernels of one eager fast-path decode step (no CUDA graphs, so each kernel can be traced to its
                module) of B rows, grouped by the module that launched them (each layer's mixer, router, experts,
                shared experts, dense MLP, norms; the rest as "step"): count and device us a step, and each group's
@@ -165,17 +167,14 @@ def part_decode(model, args, rng, B: int, compiled: bool, out_dir: Path) -> dict
     return {"step_ms": step_ms, "top": rows[:30]}
 
 
-def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
+def module_groups(model, run) -> dict:
+    """The kernels `run()` launches (eagerly: no CUDA graphs, so each kernel can be traced to its module), grouped by
+    the module that launched them (each layer's mixer, router, experts, shared experts, dense MLP, norms; the rest as
+    "step") -> {"total": {kernels, device_us}, "groups": {group: {kernels, device_us, names}}} by device time."""
     from torch.autograd import DeviceType
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    engine = engine_for(model, args, B, prefix_cache=False, cuda_graphs=False)
-    reqs = [engine.submit(p, greedy(200)) for p in random_prompts(B, 512, model.config.vocab_size, rng)]
-    while any(r.status != "running" for r in reqs):
-        engine.step()
-    for _ in range(3):
-        engine.step()
     names, handles = {}, []
     for i, layer in enumerate(model.model.layers):
         kind = "kda" if layer.is_kda else "mla"
@@ -203,7 +202,7 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
     try:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.step()
+            run()
             torch.cuda.synchronize()
     finally:
         for h in handles:
@@ -224,18 +223,49 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
             g["device_us"] += k.duration
             key = f"{e.name} | {k.name[:60]}"
             g["names"][key] = g["names"].get(key, 0) + 1
+    total = {key: sum(g[key] for g in groups.values()) for key in ("kernels", "device_us")}
+    order = sorted(groups, key=lambda k: -groups[k]["device_us"])
+    return {"total": total, "groups": {k: groups[k] for k in order}}
+
+
+def report_groups(label: str, found: dict, path: Path) -> dict:
+    """Prints `module_groups`' result under `label`, writes it whole to `path` -> the totals and each group's sums."""
+    total, groups = found["total"], found["groups"]
+    print(f"  {label}: {total['kernels']} kernels, {total['device_us']:.0f} us of device time")
+    for k, g in groups.items():
+        print(f"    {k:16s} {g['kernels']:5d} kernels {g['device_us']:8.1f} us")
+    path.write_text(json.dumps(found, indent=1))
+    return {"total": total,
+            "groups": {k: {"kernels": g["kernels"], "device_us": g["device_us"]} for k, g in groups.items()}}
+
+
+def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
+    engine = engine_for(model, args, B, prefix_cache=False, cuda_graphs=False)
+    reqs = [engine.submit(p, greedy(200)) for p in random_prompts(B, 512, model.config.vocab_size, rng)]
+    while any(r.status != "running" for r in reqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    found = module_groups(model, engine.step)
     for r in reqs:
         engine.cancel(r.id)
     engine.step()
-    total = {"kernels": sum(g["kernels"] for g in groups.values()), "device_us": sum(g["device_us"] for g in groups.values())}
-    order = sorted(groups, key=lambda k: -groups[k]["device_us"])
-    print(f"  modules batch {B}: {total['kernels']} kernels, {total['device_us']:.0f} us of device time a step")
-    for k in order:
-        print(f"    {k:16s} {groups[k]['kernels']:5d} kernels {groups[k]['device_us']:8.1f} us")
-    out = {"total": total, "groups": {k: groups[k] for k in order}}
-    (out_dir / f"modules_b{B}.json").write_text(json.dumps(out, indent=1))
-    return {"total": total, "groups": {k: {"kernels": groups[k]["kernels"], "device_us": groups[k]["device_us"]}
-                                       for k in order}}
+    return report_groups(f"modules batch {B} (a step)", found, out_dir / f"modules_b{B}.json")
+
+
+def part_prefill_modules(model, args, rng, L: int, B: int, chunk: int, out_dir: Path) -> dict:
+    """`modules:B` for a prefill of B prompts of L tokens (chunks of `chunk` tokens) until each has its first token:
+    the path the engine takes with CUDA graphs (a chunk of at most STATIC_PREFILL_TOKENS a row as static runs), run
+    eagerly."""
+    args = argparse.Namespace(**{**vars(args), "prefill_chunk": chunk})
+    engine = engine_for(model, args, B, prefix_cache=False, cuda_graphs=False,
+                        num_pages=B * (-(-(L + 8) // args.page_size) + 1) + 2)
+    engine.target.static_prefill = engine.target.decoder is not None  # as with graphs
+    engine.generate(random_prompts(B, L, model.config.vocab_size, rng), greedy(1))  # untimed: compiled and tuned
+    prompts = random_prompts(B, L, model.config.vocab_size, rng)
+    found = module_groups(model, lambda: engine.generate(prompts, greedy(1)))
+    return report_groups(f"prefill modules {B} x {L} tokens, chunk {chunk}", found,
+                         out_dir / f"prefill_modules_{L}_b{B}_c{chunk}.json")
 
 
 def kernel_timeline(prof) -> tuple[list[dict], dict, list]:
@@ -583,8 +613,9 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], modules:B, "
-                                            "timeline:B, run:B, decode:B, decode:B:c or spec:k")
+    p.add_argument("parts", nargs="+", help="kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], "
+                                            "prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, decode:B, "
+                                            "decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -620,6 +651,10 @@ def main() -> None:
                 results[name] = part_router()
             elif name == "mla":
                 results[name] = part_mla()
+            elif name.startswith("prefill-modules:"):
+                v = [int(x) for x in name.split(":")[1:]]
+                L, B, C = (v + [1, 8192][len(v) - 1:])[:3]
+                results[name] = part_prefill_modules(model, args, rng, L, B, C, a.out)
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("run:"):
@@ -631,7 +666,8 @@ def main() -> None:
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
             else:
                 raise ValueError(f"unknown part {name!r}: kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], "
-                                 f"modules:B, timeline:B, run:B, decode:B, decode:B:c or spec:k")
+                                 f"prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, decode:B, decode:B:c "
+                                 f"or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()
