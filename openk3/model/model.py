@@ -541,11 +541,16 @@ class KimiDeltaAttention(nn.Module):
             and not torch.compiler.is_compiling() and conv_step_applies(qkv_in, state.conv_pool)
         tail = state.conv if state is not None and not conv_in_place else None
         f = out_gate = None
+        b = project(self, "b_proj", x, outs)
         if conv_in_place:
-            # at one row the gate's low-rank products (f_b; g_b of a low-rank output gate) in the conv's launch
-            lowrank = self.lowrank_products(x, outs) if B == 1 else []
+            # the gate's low-rank products (f_b; g_b of a low-rank output gate) in the conv's launch, and beta copied
+            # contiguous for fla's kernel there (a view of the fused projections' output at B > 1)
+            lowrank = self.lowrank_products(x, outs)
             q, k, v, *low = conv_step_in_place(qkv_in[:, 0], self.q_conv1d.weight, self.k_conv1d.weight,
-                                               self.v_conv1d.weight, *state.conv_pool_rows(), H, K, lowrank=lowrank)
+                                               self.v_conv1d.weight, *state.conv_pool_rows(), H, K, lowrank=lowrank,
+                                               beta=None if b.is_contiguous() else b[:, 0])
+            if not b.is_contiguous():
+                b = low.pop()
             if low:
                 f = low[0].view(B, T, H, K)
                 out_gate = low[1].view(B, T, H, K) if len(low) > 1 else None
@@ -553,7 +558,6 @@ class KimiDeltaAttention(nn.Module):
             qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
             q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         f = self.decay_input(x, outs) if f is None else f
-        b = project(self, "b_proj", x, outs)
         gate = (self.A_log.float(), self.dt_bias.float(), self.lower_bound, K ** -0.5)
         if not recurrent:
             o, final = outside_graph(kda_fused.chunk_gated, q, k, v, f, torch.sigmoid(b.float()), *gate, cu_seqlens,
@@ -577,13 +581,16 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     def lowrank_products(self, x: Tensor, outs: dict[str, Tensor] | None) -> list[tuple[Tensor, Tensor]]:
-        """At one token: the (low-rank input [1, K], weight) pairs of f_b_proj and, with a low-rank output gate,
-        g_b_proj, for ops/kda/conv_step.py to compute in the conv's launch, where those Linears would run their
-        one-row GEMV (`linear_gemv_applies`); else [] (their Linear calls run). On the H200 at batch 1 they were
-        two launches of ~1.9 us each a KDA layer (`decode_probe.py timeline:1`, eleventh session)."""
+        """At one token a row (x [B, 1, D]): the (low-rank input [B, R], weight) pairs of f_b_proj and, with a
+        low-rank output gate, g_b_proj, for ops/kda/conv_step.py to compute in the conv's launch, where a row of
+        them meets the one-row GEMV's conditions (`linear_gemv_applies`: no grad, no autocast, not compiling, one
+        dtype, a contiguous weight) and the inputs share a row stride; else [] (their Linear calls run). On the H200
+        they were two launches a KDA layer of ~1.9 us each at batch 1 (`decode_probe.py timeline:1`, eleventh
+        session) and ~2.8 us at batch 64 (cuBLAS)."""
         pairs = [("f_a_proj", self.f_b_proj)] + ([] if self.full_rank_gate else [("g_a_proj", self.g_b_proj)])
-        out = [(project(self, key, x, outs).reshape(1, -1), proj.weight) for key, proj in pairs]
-        return out if all(linear_gemv_applies(lr, w) and lr.is_contiguous() for lr, w in out) else []
+        out = [(project(self, key, x, outs)[:, 0], proj.weight) for key, proj in pairs]
+        return out if all(linear_gemv_applies(lr[:1], w) and lr.stride(-1) == 1 and lr.stride(0) == out[0][0].stride(0)
+                          for lr, w in out) else []
 
     # The pieces of `forward` around the delta-rule kernel; parallel/context.py runs the same pieces around its
     # context-parallel kernel.

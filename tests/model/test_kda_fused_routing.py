@@ -152,12 +152,13 @@ def serve(runner, prompts, joins, steps):
 
 
 @pytest.mark.parametrize("family", ["k3", "kimi-linear"])
-def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch):
+def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch, fuse=False):
     """Prompts prefilled from a cache token by token (<= RECURRENT_MAX_TOKENS, cut to 8 here) and chunked (longer),
     then ragged decode steps through the fast path's static step, its KDA rows updated in place in the slot pool,
     with requests joining and one leaving: every step's logits equal the reference chain's general path (fp32).
     A decode step's one-token conv runs `conv_silu_one_token`, not fla's conv. Every norm ran fla's one-kernel norm,
-    on contiguous rows (GatedMLA's latent norm gets a split view)."""
+    on contiguous rows (GatedMLA's latent norm gets a split view). `fuse`: the fast path's projections from stacked
+    weights (openk3/model/fused.py), whose outputs are views of one matmul's."""
     monkeypatch.setattr(model_module, "RECURRENT_MAX_TOKENS", 8)
     model = small_model(family, seed=3)
     rng = random.Random(0)
@@ -169,7 +170,7 @@ def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch)
         fn = getattr(kda_fused, name)
         monkeypatch.setattr(kda_fused, name, lambda q, *a, _fn=fn, _n=name, **k:
                             paths.append((_n, q.shape[1])) or _fn(q, *a, **k))
-    fused = serve(ModelRunner(model, num_pages=64, page_size=4, slots=4), prompts, joins, steps)
+    fused = serve(ModelRunner(model, num_pages=64, page_size=4, slots=4, fuse=fuse), prompts, joins, steps)
     kda_layers = model.config.layer_types.count("kda")
     assert {("recurrent_gated", 5), ("chunk_gated", 13), ("recurrent_gated", 7),
             ("recurrent_gated", 1)} == set(paths)

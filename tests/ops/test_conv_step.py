@@ -33,7 +33,7 @@ def conv_kernel_only(monkeypatch):
     monkeypatch.setattr(model_module, "route_kernel_applies", lambda *a: False)
     calls = []
     monkeypatch.setattr(model_module, "conv_step_in_place",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or conv_step_in_place(*a, **k))
+                        lambda *a, **k: calls.append((a[0].shape[0], k)) or conv_step_in_place(*a, **k))
     return calls
 
 
@@ -111,15 +111,21 @@ def test_the_cpu_keeps_the_pytorch_chain(monkeypatch):
 @needs_triton
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_kernel_compiles_for_sm90_without_spills(dtype):
-    """What the interpreter cannot check: that Triton compiles the kernel (its branch per q, k, v, the barrier) for
-    the GPU the lead runs, at kimi-linear-1.5b's shapes, with no register spilled to local memory."""
-    types = {n: f"*{dtype}" for n in ("qkv_ptr", "pool_ptr", "q_ptr", "k_ptr", "v_ptr", "xf_ptr", "wf_ptr", "yf_ptr",
-                                     "xg_ptr", "wg_ptr", "yg_ptr")}
-    types.update({n: "*fp32" for n in ("wq_ptr", "wk_ptr", "wv_ptr")}, rows_ptr="*i64", stride_qkv="i64")
+@pytest.mark.parametrize("block_b", [1, conv_step.LOWRANK_ROWS])
+def test_kernel_compiles_for_sm90_without_spills(dtype, block_b):
+    """What the interpreter cannot check: that Triton compiles the kernel (its branch per q, k, v, the barrier, the
+    low-rank products as dot products at one row and as tensor-core tiles at more) for the GPU the lead runs, at
+    kimi-linear-1.5b's shapes, with no register spilled to local memory."""
+    # conv_step_in_place's weight elements a program: an fp32 tile product half a bf16 one's
+    tile = conv_step.LOWRANK_TILE if block_b == 1 or dtype == "bf16" else conv_step.LOWRANK_TILE // 2
+    types = {n: f"*{dtype}" for n in ("qkv_ptr", "pool_ptr", "q_ptr", "k_ptr", "v_ptr", "beta_ptr", "beta_out_ptr",
+                                     "xf_ptr", "wf_ptr", "yf_ptr", "xg_ptr", "wg_ptr", "yg_ptr")}
+    types.update({n: "*fp32" for n in ("wq_ptr", "wk_ptr", "wv_ptr")}, rows_ptr="*i64", stride_qkv="i64",
+                 stride_beta="i64", stride_lr="i64")
     usage = compile_for_sm90(conv_step._conv_step_kernel, types,
-                             {"HK": 16 * 128, "W": 4, "BLOCK_C": conv_step.MAX_BLOCK_C, "BLOCK_W": 4, "R": 128,
-                              "BLOCK_R": 128, "BLOCK_N": conv_step.LOWRANK_TILE // 128})
+                             {"HK": 16 * 128, "W": 4, "BLOCK_C": conv_step.MAX_BLOCK_C, "BLOCK_W": 4, "HB": 16,
+                              "BLOCK_HB": 16, "R": 128, "BLOCK_R": 128, "BLOCK_N": tile // 128,
+                              "BLOCK_B": block_b, "DOT_FP32": False})
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
 
@@ -150,28 +156,38 @@ def test_interpreted_kernel_equals_the_pytorch_chain(dtype, pool_dtype, W):
 @interpreted_only
 @pytest.mark.parametrize("pairs, N, R", [(1, 24, 8), (2, 24, 8), (2, 2048, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interpreted_lowrank_products_in_the_conv_launch(pairs, N, R, dtype):
-    """`lowrank` at one row: each product F.linear(x, weight) in fp32 rounded once (N = 2048: 32 programs of 64
-    rows), the conv's outputs and tails as without them; more than one row, or a pair of another shape, is named."""
-    H, K, W = 3, 8, 4
-    qkv, wq, wk, wv, pool = random_inputs(1, H, K, W, dtype, dtype, seed=N + pairs)
+@pytest.mark.parametrize("B", [1, 3, 20])
+def test_interpreted_lowrank_products_and_beta_in_the_conv_launch(pairs, N, R, dtype, B):
+    """`lowrank`: each product F.linear(x, weight) in fp32 rounded once, its inputs strided views (as the fused
+    projections' output gives them), at one row (a dot product per output; N = 2048: 32 programs of 64 outputs) and
+    at 3 and 20 rows (tensor-core tiles of 16 rows, masked; 20 rows are two tiles); `beta` copied contiguous; the
+    conv's outputs and tails as without them. A pair of another shape, or inputs of two row strides, are named."""
+    H, K, W, Hb = 3, 8, 4, 5
+    qkv, wq, wk, wv, pool = random_inputs(B, H, K, W, dtype, dtype, N=B + 2, seed=N + pairs)
     g = torch.Generator().manual_seed(pairs)
-    lowrank = [(torch.randn(1, R, generator=g).to(dtype), (torch.randn(N, R, generator=g) * R ** -0.5).to(dtype))
-               for _ in range(pairs)]
-    rows = torch.tensor([2])
+    wide = torch.randn(B, pairs * R + Hb + 7, generator=g).to(dtype)  # the fused output: x's, beta's columns
+    lowrank = [(wide[:, i * R:(i + 1) * R], (torch.randn(N, R, generator=g) * R ** -0.5).to(dtype))
+               for i in range(pairs)]
+    beta = wide[:, pairs * R + 3:pairs * R + 3 + Hb]
+    rows = torch.randperm(B + 2, generator=g)[:B]
     plain_pool = pool.clone()
     q0, k0, v0 = conv_step_in_place(qkv, wq, wk, wv, plain_pool, rows, H, K)
-    q, k, v, *ys = conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, lowrank=lowrank)
+    q, k, v, *ys, beta_out = conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, lowrank=lowrank, beta=beta)
     assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0) and torch.equal(pool, plain_pool)
+    assert beta_out.shape == (B, 1, Hb) and beta_out.is_contiguous() and torch.equal(beta_out[:, 0], beta)
     assert len(ys) == pairs
     for y, (x, w) in zip(ys, lowrank):
         want = torch.nn.functional.linear(x.double(), w.double())
-        assert y.shape == (1, N) and y.dtype == dtype
+        assert y.shape == (B, N) and y.dtype == dtype and y.is_contiguous()
         assert rel_err(y, want) < (1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps)
     with pytest.raises(ValueError, match="lowrank"):
-        conv_step_in_place(torch.cat([qkv, qkv]), wq, wk, wv, pool, torch.tensor([1, 2]), H, K, lowrank=lowrank)
-    with pytest.raises(ValueError, match="lowrank"):
         conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, lowrank=[(lowrank[0][0], lowrank[0][1][:, :-1])])
+    if B > 1:
+        with pytest.raises(ValueError, match="lowrank"):  # two row strides
+            conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K,
+                               lowrank=[lowrank[0], (lowrank[0][0].contiguous(), lowrank[0][1])])
+    with pytest.raises(ValueError, match="beta"):
+        conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, beta=wide[:, :Hb].t())
 
 
 @interpreted_only
@@ -196,18 +212,23 @@ def test_interpreted_padding_rows_touch_only_the_scratch_row():
 
 
 @interpreted_only
-@pytest.mark.parametrize("family", ["k3", "kimi-linear"])
-def test_interpreted_static_step_runs_the_kernel_and_equals_the_general_path(family, fake_fla, conv_kernel_only,
+@pytest.mark.parametrize("family,fuse", [("k3", False), ("kimi-linear", False), ("kimi-linear", True)])
+def test_interpreted_static_step_runs_the_kernel_and_equals_the_general_path(family, fuse, fake_fla, conv_kernel_only,
                                                                              monkeypatch):
     """tests/model/test_kda_fused_routing.py's ragged serve (fla's stand-ins; prefills, requests joining and one
     leaving) with the conv kernel in the static decode steps: their logits equal the reference chain's general path
-    (fp32), the kernel ran once per KDA layer and step, and the static steps gathered no conv tails."""
+    (fp32), the kernel ran once per KDA layer and step, with the gate's low-rank products (f_b, and Kimi-Linear's
+    g_b) at every batch size, and the static steps gathered no conv tails. With the fused projections (`fuse`) beta
+    is a view of their output, and the kernel copies it contiguous at more than one row."""
     views = []
     original = SlotPool.view
     monkeypatch.setattr(SlotPool, "view", lambda self, *a, **k: views.append(k) or original(self, *a, **k))
-    routing.test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch)
+    routing.test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch, fuse=fuse)
     kda_layers = small_model(family, seed=3).config.layer_types.count("kda")
     assert len(conv_kernel_only) == kda_layers * 6  # 6 decode steps
+    assert all(len(k["lowrank"]) == (2 if family == "kimi-linear" else 1) for _, k in conv_kernel_only)
+    assert max(B for B, _ in conv_kernel_only) > 1  # (the static step pads to its batch buckets)
+    assert all((k["beta"] is not None) == (fuse and B > 1) for B, k in conv_kernel_only)
     gathered = [k for k in views if k.get("gather")]
     assert gathered and all(k.get("gather_conv") is False for k in gathered)
 
@@ -233,6 +254,33 @@ def test_kernel_equals_the_pytorch_chain_on_gpu(dtype, B):
     if 0 not in rows:
         rows[-1] = 0
     check_against_reference(B, 16, 128, 4, dtype, dtype, pad=2 * 16 * 128, rows=rows, device="cuda")
+
+
+@cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B", [1, 16, 64])
+def test_lowrank_products_and_beta_on_gpu(dtype, B):
+    """kimi-linear-1.5b's gate products (two pairs, R 128 -> N 2048) and beta (16 heads), all views of one wide
+    output as the fused projections give them: each product within a rounding of the fp64 product (the tensor
+    cores' tiles at B > 1), beta copied exactly, the conv as without them."""
+    H, K, W, R, N, Hb = 16, 128, 4, 128, 2048, 16
+    qkv, wq, wk, wv, pool = random_inputs(B, H, K, W, dtype, dtype, N=B + 2, device="cuda", seed=B)
+    g = torch.Generator().manual_seed(B)
+    wide = torch.randn(B, 2 * R + Hb + 40, generator=g).to(dtype).cuda()
+    lowrank = [(wide[:, i * R:(i + 1) * R], (torch.randn(N, R, generator=g) * R ** -0.5).to(dtype).cuda())
+               for i in range(2)]
+    beta = wide[:, 2 * R + 40:]
+    rows = torch.randperm(B + 2, generator=g)[:B].cuda()
+    plain_pool = pool.clone()
+    plain = conv_step_in_place(qkv, wq, wk, wv, plain_pool, rows, H, K)
+    q, k, v, yf, yg, beta_out = conv_step_in_place(qkv, wq, wk, wv, pool, rows, H, K, lowrank=lowrank, beta=beta)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), plain)) and torch.equal(pool, plain_pool)
+    assert torch.equal(beta_out[:, 0], beta) and beta_out.is_contiguous()
+    for y, (x, w) in zip((yf, yg), lowrank):
+        want = torch.nn.functional.linear(x.double(), w.double())
+        assert rel_err(y, want) < (1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps)
 
 
 @cuda

@@ -13,9 +13,12 @@ program per (row, q/k/v, channel block) reads its row's window where the pool ke
     pool[rows[b], j] = window[j + 1]  for j < W-1   the tail shifted, the new input cast to the pool's dtype
 
 which is `conv_silu_one_token` followed by `conv_tail` and the setter's `index_copy_` (tests/ops/test_conv_step.py).
-At one row the same launch also runs the KDA gate's low-rank products (`lowrank`: f_b, and g_b of a low-rank output
-gate, each F.linear of a [1, 128] input and a [2048, 128] weight at kimi-linear-1.5b) in more programs: two launches
-fewer a layer, which took ~1.9 us each on the H200 at batch 1 (`decode_probe.py timeline:1`, eleventh session).
+The same launch also runs the KDA gate's low-rank products (`lowrank`: f_b, and g_b of a low-rank output gate, each
+F.linear of a [B, 128] input and a [2048, 128] weight at kimi-linear-1.5b) in more programs (a dot product per
+output at one row, tensor-core tiles of 16 rows at more): two launches fewer a layer, which took ~1.9 us each on the
+H200 at batch 1 (`decode_probe.py timeline:1`, eleventh session) and ~2.8 us at batch 64 (cuBLAS). It also copies
+beta's rows contiguous (`beta`), for fla's decode kernel: at B > 1 beta is a strided view of the fused projections'
+output, which fla's wrapper copied in a launch of its own.
 The window's values are promoted to fp32 as stored, the weights too; the sum over the window runs in another order
 than torch's (fp32 rounding apart); q, k, v are contiguous, so fla's decode kernel copies nothing. Programs of one
 row touch disjoint channels. Checked in the interpreter and on the H200 (its GPU tests); not timed alone.
@@ -42,6 +45,7 @@ INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_C = 256  # channels a program: kimi-linear-1.5b's H*K = 2048 is 8 blocks of each of q, k, v
 LOWRANK_TILE = 8192  # weight elements a low-rank product's program reads (kimi-linear-1.5b: 64 rows of 128)
+LOWRANK_ROWS = 16  # input rows a low-rank product's program takes at B > 1 (the smallest tensor-core tile)
 
 
 def conv_step_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -84,23 +88,38 @@ if triton is not None:
         tl.store(pool_row_ptr + j * (3 * HK) + ch[None, :], nxt, mask=(j < W - 1) & valid[None, :])
 
     @triton.jit
-    def _lowrank_block(x_ptr, w_ptr, y_ptr, n, N, R: tl.constexpr, BLOCK_R: tl.constexpr):
-        """y[n] = x . w[n] in fp32 over R, rounded once to y's dtype, for this program's rows n (one input row)."""
+    def _lowrank_block(x_ptr, stride_x, w_ptr, y_ptr, b, n, B, N, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_B: tl.constexpr, DOT_FP32: tl.constexpr):
+        """y[b, n] = x[b] . w[n] in fp32 over R, rounded once to y's dtype, for this program's rows b of x and
+        outputs n: a dot product per output at one row (BLOCK_B 1), a tile product on the tensor cores else."""
         r = tl.arange(0, BLOCK_R)
-        x = tl.load(x_ptr + r, mask=r < R, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R),
-                    other=0.0).to(tl.float32)
-        tl.store(y_ptr + n, tl.sum(w * x[None, :], axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+                    other=0.0)
+        if BLOCK_B == 1:
+            x = tl.load(x_ptr + r, mask=r < R, other=0.0).to(tl.float32)
+            tl.store(y_ptr + n, tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+        else:
+            x = tl.load(x_ptr + b[:, None] * stride_x + r[None, :], mask=(b[:, None] < B) & (r[None, :] < R),
+                        other=0.0)
+            if DOT_FP32:  # NOTE: Triton 3.9's interpreter returns garbage for a bf16 tl.dot; the products are exact
+                x, w = x.to(tl.float32), w.to(tl.float32)  # in fp32 either way
+            # "ieee": an fp32 model's product in fp32, not TF32 (bf16 / fp16 inputs: their products are exact)
+            y = tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+            tl.store(y_ptr + b[:, None] * N + n[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=(b[:, None] < B) & (n[None, :] < N))
 
     @triton.jit
     def _conv_step_kernel(qkv_ptr, stride_qkv, wq_ptr, wk_ptr, wv_ptr, pool_ptr, rows_ptr, q_ptr, k_ptr, v_ptr,
-                          xf_ptr, wf_ptr, yf_ptr, xg_ptr, wg_ptr, yg_ptr, N, HK: tl.constexpr, W: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        part = tl.program_id(1)  # 0 q, 1 k, 2 v; 3 and 4 the low-rank products (one row only)
+                          beta_ptr, stride_beta, beta_out_ptr, xf_ptr, wf_ptr, yf_ptr, xg_ptr, wg_ptr, yg_ptr,
+                          stride_lr, B, N, HK: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_W: tl.constexpr, HB: tl.constexpr, BLOCK_HB: tl.constexpr, R: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                          DOT_FP32: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)  # 0 q, 1 k, 2 v; 3 and 4 the low-rank products
         blk = tl.program_id(2)
         if part < 3:
+            b = pid
             if blk * BLOCK_C < HK:
                 c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
                 row = tl.load(rows_ptr + b)
@@ -112,26 +131,42 @@ if triton is not None:
                     _conv_block(qkv_row, wk_ptr, pool_row, k_ptr + b * HK, part, c, HK, W, BLOCK_W)
                 else:
                     _conv_block(qkv_row, wv_ptr, pool_row, v_ptr + b * HK, part, c, HK, W, BLOCK_W)
+            if HB > 0:  # beta's row copied contiguous, by the row's first program
+                if part == 0 and blk == 0:
+                    h = tl.arange(0, BLOCK_HB)
+                    tl.store(beta_out_ptr + b * HB + h, tl.load(beta_ptr + b * stride_beta + h, mask=h < HB),
+                             mask=h < HB)
         else:
-            n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            if part == 3:
-                _lowrank_block(xf_ptr, wf_ptr, yf_ptr, n, N, R, BLOCK_R)
-            else:
-                _lowrank_block(xg_ptr, wg_ptr, yg_ptr, n, N, R, BLOCK_R)
+            # the programs of the grid's rows and blocks, counted row-major, take the (row block, output block)
+            # pairs: cdiv(B, BLOCK_B) * cdiv(N, BLOCK_N) of the B * blocks
+            work = pid * tl.num_programs(2) + blk
+            n_blocks = tl.cdiv(N, BLOCK_N)
+            if work < tl.cdiv(B, BLOCK_B) * n_blocks:
+                b = (work // n_blocks) * BLOCK_B + tl.arange(0, BLOCK_B)
+                n = (work % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+                if part == 3:
+                    _lowrank_block(xf_ptr, stride_lr, wf_ptr, yf_ptr, b, n, B, N, R, BLOCK_R, BLOCK_B, DOT_FP32)
+                else:
+                    _lowrank_block(xg_ptr, stride_lr, wg_ptr, yg_ptr, b, n, B, N, R, BLOCK_R, BLOCK_B, DOT_FP32)
 
 
 def conv_step_in_place(qkv_BC: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, conv_pool: Tensor, rows_B: Tensor,
-                       H: int, K: int, lowrank: list[tuple[Tensor, Tensor]] = ()) -> tuple[Tensor, ...]:
+                       H: int, K: int, lowrank: list[tuple[Tensor, Tensor]] = (),
+                       beta: Tensor | None = None) -> tuple[Tensor, ...]:
     """One token's short conv + SiLU for B rows whose conv tails live in a pool, the tails updated there (module
     docstring). Only where `conv_step_applies`.
 
     qkv_BC [B, 3*H*K]: the raw q | k | v projections (a strided view is fine: rows any stride apart, the channels
     contiguous); w_q, w_k, w_v: the conv modules' weights [H*K, 1, W]; conv_pool [N, W-1, 3*H*K] contiguous;
     rows_B [B] int64: row b's tail is conv_pool[rows_B[b]].
-    lowrank: at most two (x [1, R], weight [N, R]) pairs of one row (B = 1), computed as F.linear(x, weight) in the
-    same launch (KDA's f_b and g_b projections at batch 1: two launches fewer a layer), in fp32, rounded once to x's
-    dtype (a matmul's precision); both of one N and R, x contiguous, the weights contiguous in x's dtype.
-    -> q, k, v [B, 1, H, K] contiguous, in qkv's dtype, then each low-rank product [1, N].
+    lowrank: at most two (x [B, R], weight [N, R]) pairs, computed as F.linear(x, weight) in the same launch (KDA's
+    f_b and g_b projections: two launches fewer a layer), in fp32, rounded once to x's dtype (a matmul's precision);
+    both of one N and R, x's rows any stride apart (both pairs' the same stride, R contiguous), the weights
+    contiguous in x's dtype.
+    beta [B, Hb] (rows any stride apart, Hb contiguous): also copied to a contiguous [B, 1, Hb], for fla's decode
+    kernel, which walks beta by pointer (a copy kernel fewer a layer at B > 1, where it is a view of the fused
+    projections' output).
+    -> q, k, v [B, 1, H, K] contiguous, in qkv's dtype, then each low-rank product [B, N], then beta's copy if given.
     NOTE: rows that pad a batch share the pool's scratch row (the static step's slot 0): their programs read and
     write the same tail in no fixed order, so their outputs and that row are garbage. Both are discarded (the padding
     rows' outputs are never read, the scratch row is zeroed after the step, serve/static.py `clear_scratch`); rows of
@@ -150,28 +185,41 @@ def conv_step_in_place(qkv_BC: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, co
         raise ValueError(f"conv_step_in_place: conv_pool {tuple(conv_pool.shape)}: want contiguous [N, {W - 1}, {C3}]")
     if rows_B.shape != (B,) or rows_B.dtype != torch.int64:
         raise ValueError(f"conv_step_in_place: rows {tuple(rows_B.shape)} {rows_B.dtype}: want [{B}] int64")
+    if beta is not None and (beta.dim() != 2 or beta.shape[0] != B or beta.stride(-1) != 1
+                             or beta.device != qkv_BC.device):
+        raise ValueError(f"conv_step_in_place: beta {tuple(beta.shape)} stride {beta.stride()}: want [{B}, Hb] with "
+                         f"contiguous heads on {qkv_BC.device}")
     lowrank = list(lowrank)
     if lowrank:
         N, R = lowrank[0][1].shape
-        if len(lowrank) > 2 or B != 1 or any(x.shape != (1, R) or not x.is_contiguous() or w.shape != (N, R)
-                                             or not w.is_contiguous() or w.dtype != x.dtype or x.device != qkv_BC.device
-                                             for x, w in lowrank):
-            raise ValueError(f"conv_step_in_place: lowrank {[(tuple(x.shape), tuple(w.shape)) for x, w in lowrank]} "
-                             f"for {B} rows: want one row, at most two pairs of contiguous x [1, R] and weight [N, R] "
-                             f"of one N and R, in one dtype")
+        if len(lowrank) > 2 or any(x.shape != (B, R) or x.stride(-1) != 1 or x.stride(0) != lowrank[0][0].stride(0)
+                                   or w.shape != (N, R) or not w.is_contiguous() or w.dtype != x.dtype
+                                   or x.device != qkv_BC.device for x, w in lowrank):
+            shapes = [(tuple(x.shape), x.stride(), tuple(w.shape)) for x, w in lowrank]
+            raise ValueError(f"conv_step_in_place: lowrank {shapes} for {B} rows: want at most two pairs of x "
+                             f"[{B}, R] (rows one stride apart, R contiguous) and a contiguous weight [N, R] of one N "
+                             f"and R, in one dtype")
     else:
         N, R = 0, 1
     q, k, v = (torch.empty(B, 1, H, K, dtype=qkv_BC.dtype, device=qkv_BC.device) for _ in range(3))
-    ys = [torch.empty(1, N, dtype=x.dtype, device=x.device) for x, _ in lowrank]
+    ys = [torch.empty(B, N, dtype=x.dtype, device=x.device) for x, _ in lowrank]
+    HB = 0 if beta is None else beta.shape[1]
+    beta_out = None if beta is None else torch.empty(B, 1, HB, dtype=beta.dtype, device=beta.device)
     if B:
         block_c = min(MAX_BLOCK_C, triton.next_power_of_2(HK))
-        block_r = triton.next_power_of_2(R)
-        block_n = max(1, min(LOWRANK_TILE // block_r, triton.next_power_of_2(max(N, 1))))
-        blocks = max(triton.cdiv(HK, block_c), triton.cdiv(N, block_n))
+        block_b = 1 if B == 1 else LOWRANK_ROWS  # a tile product needs 16 rows (masked past B)
+        block_r = triton.next_power_of_2(R) if block_b == 1 else max(16, triton.next_power_of_2(R))
+        # a tile product reads as many weight bytes as a bf16 one (fp32 at 64 outputs spilled registers for sm90)
+        tile = LOWRANK_TILE if block_b == 1 else LOWRANK_TILE * 2 // (lowrank[0][1].element_size() if lowrank else 2)
+        block_n = max(1 if block_b == 1 else 16, min(tile // block_r, triton.next_power_of_2(max(N, 1))))
+        work = triton.cdiv(B, block_b) * triton.cdiv(N, block_n)  # (row block, output block) pairs a product
+        blocks = max(triton.cdiv(HK, block_c), triton.cdiv(work, B))
         f, g = (lowrank + lowrank[-1:] * 2)[:2] if lowrank else ((q, q), (q, q))  # (not read past len(lowrank))
         yf, yg = (ys + ys[-1:] * 2)[:2] if ys else (q, q)
         _conv_step_kernel[(B, 3 + len(lowrank), blocks)](
-            qkv_BC, qkv_BC.stride(0), w_q, w_k, w_v, conv_pool, rows_B.contiguous(), q, k, v, f[0], f[1], yf, g[0],
-            g[1], yg, N, HK=HK, W=W, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(W), R=R, BLOCK_R=block_r,
-            BLOCK_N=block_n)
-    return (q, k, v, *ys)
+            qkv_BC, qkv_BC.stride(0), w_q, w_k, w_v, conv_pool, rows_B.contiguous(), q, k, v,
+            q if beta is None else beta, 0 if beta is None else beta.stride(0), q if beta_out is None else beta_out,
+            f[0], f[1], yf, g[0], g[1], yg, f[0].stride(0), B, N, HK=HK, W=W, BLOCK_C=block_c,
+            BLOCK_W=triton.next_power_of_2(W), HB=HB, BLOCK_HB=triton.next_power_of_2(max(HB, 1)), R=R,
+            BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_B=block_b, DOT_FP32=INTERPRET)
+    return (q, k, v, *ys) + (() if beta_out is None else (beta_out,))
