@@ -611,6 +611,12 @@ def part_spec(model, args, rng, k: int, out_dir: Path) -> dict:
     return out
 
 
+def prefill_shape(part: str) -> tuple[int, int, int]:
+    """"prefill:L[:B[:C]]" (or prefill-modules:...) -> (L, B default 1, C default the bench's 8,192)."""
+    v = [int(x) for x in part.split(":")[1:]]
+    return tuple((v + [1, 8192][len(v) - 1:])[:3])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("parts", nargs="+", help="kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], "
@@ -642,9 +648,7 @@ def main() -> None:
             elif name.startswith("spec:"):
                 results[name] = part_spec(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("prefill:"):
-                v = [int(x) for x in name.split(":")[1:]]
-                L, B, C = (v + [1, 8192][len(v) - 1:])[:3]
-                results[name] = part_prefill(model, args, rng, L, B, C, a.out)
+                results[name] = part_prefill(model, args, rng, *prefill_shape(name), a.out)
             elif name == "linear":
                 results[name] = part_linear()
             elif name == "router":
@@ -652,9 +656,7 @@ def main() -> None:
             elif name == "mla":
                 results[name] = part_mla()
             elif name.startswith("prefill-modules:"):
-                v = [int(x) for x in name.split(":")[1:]]
-                L, B, C = (v + [1, 8192][len(v) - 1:])[:3]
-                results[name] = part_prefill_modules(model, args, rng, L, B, C, a.out)
+                results[name] = part_prefill_modules(model, args, rng, *prefill_shape(name), a.out)
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("run:"):

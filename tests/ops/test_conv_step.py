@@ -114,7 +114,7 @@ def test_the_cpu_keeps_the_pytorch_chain(monkeypatch):
 @pytest.mark.parametrize("block_b", [1, conv_step.LOWRANK_ROWS])
 def test_kernel_compiles_for_sm90_without_spills(dtype, block_b):
     """What the interpreter cannot check: that Triton compiles the kernel (its branch per q, k, v, the barrier, the
-    low-rank products as dot products at one row and as tensor-core tiles at more) for the GPU the lead runs, at
+    low-rank products as dot products at one row and as tl.dot tiles at more) for the GPU the lead runs, at
     kimi-linear-1.5b's shapes, with no register spilled to local memory."""
     # conv_step_in_place's weight elements a program: an fp32 tile product half a bf16 one's
     tile = conv_step.LOWRANK_TILE if block_b == 1 or dtype == "bf16" else conv_step.LOWRANK_TILE // 2
@@ -160,7 +160,7 @@ def test_interpreted_kernel_equals_the_pytorch_chain(dtype, pool_dtype, W):
 def test_interpreted_lowrank_products_and_beta_in_the_conv_launch(pairs, N, R, dtype, B):
     """`lowrank`: each product F.linear(x, weight) in fp32 rounded once, its inputs strided views (as the fused
     projections' output gives them), at one row (a dot product per output; N = 2048: 32 programs of 64 outputs) and
-    at 3 and 20 rows (tensor-core tiles of 16 rows, masked; 20 rows are two tiles); `beta` copied contiguous; the
+    at 3 and 20 rows (tl.dot tiles of 16 rows, masked; 20 rows are two tiles); `beta` copied contiguous; the
     conv's outputs and tails as without them. A pair of another shape, or inputs of two row strides, are named."""
     H, K, W, Hb = 3, 8, 4, 5
     qkv, wq, wk, wv, pool = random_inputs(B, H, K, W, dtype, dtype, N=B + 2, seed=N + pairs)

@@ -15,13 +15,15 @@ program per (row, q/k/v, channel block) reads its row's window where the pool ke
 which is `conv_silu_one_token` followed by `conv_tail` and the setter's `index_copy_` (tests/ops/test_conv_step.py).
 The same launch also runs the KDA gate's low-rank products (`lowrank`: f_b, and g_b of a low-rank output gate, each
 F.linear of a [B, 128] input and a [2048, 128] weight at kimi-linear-1.5b) in more programs (a dot product per
-output at one row, tensor-core tiles of 16 rows at more): two launches fewer a layer, which took ~1.9 us each on the
-H200 at batch 1 (`decode_probe.py timeline:1`, eleventh session) and ~2.8 us at batch 64 (cuBLAS). It also copies
+output at one row, tl.dot tiles of 16 rows at more: tensor cores in bf16 / fp16): two launches fewer a layer, which
+took ~1.9 us each on the H200 at batch 1 (`decode_probe.py timeline:1`, eleventh session) and ~2.8 us at batch 64
+(cuBLAS). It also copies
 beta's rows contiguous (`beta`), for fla's decode kernel: at B > 1 beta is a strided view of the fused projections'
 output, which fla's wrapper copied in a launch of its own.
 The window's values are promoted to fp32 as stored, the weights too; the sum over the window runs in another order
 than torch's (fp32 rounding apart); q, k, v are contiguous, so fla's decode kernel copies nothing. Programs of one
-row touch disjoint channels. Checked in the interpreter and on the H200 (its GPU tests); not timed alone.
+row touch disjoint channels. Checked in the interpreter and on the H200 (its GPU tests); timed only in whole
+decode steps.
 
 Triton is optional: without it `conv_step_applies` is False and the PyTorch chain runs. With TRITON_INTERPRET=1 in
 the environment at import, the kernel runs in Triton's CPU interpreter on CPU tensors (the tests).
@@ -45,7 +47,7 @@ INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_C = 256  # channels a program: kimi-linear-1.5b's H*K = 2048 is 8 blocks of each of q, k, v
 LOWRANK_TILE = 8192  # weight elements a low-rank product's program reads (kimi-linear-1.5b: 64 rows of 128)
-LOWRANK_ROWS = 16  # input rows a low-rank product's program takes at B > 1 (the smallest tensor-core tile)
+LOWRANK_ROWS = 16  # input rows a low-rank product's program takes at B > 1 (tl.dot's smallest tile)
 
 
 def conv_step_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -91,7 +93,8 @@ if triton is not None:
     def _lowrank_block(x_ptr, stride_x, w_ptr, y_ptr, b, n, B, N, R: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_B: tl.constexpr, DOT_FP32: tl.constexpr):
         """y[b, n] = x[b] . w[n] in fp32 over R, rounded once to y's dtype, for this program's rows b of x and
-        outputs n: a dot product per output at one row (BLOCK_B 1), a tile product on the tensor cores else."""
+        outputs n: a dot product per output at one row (BLOCK_B 1), else a tl.dot tile product (tensor cores in bf16 /
+        fp16, fp32 FMAs in fp32)."""
         r = tl.arange(0, BLOCK_R)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R),
                     other=0.0)
