@@ -184,23 +184,14 @@ class FusedLinears:
     active: bool = False
 
 
-# A forward of more tokens than this (a long prefill chunk, a decode or verification batch past it) runs every
-# module's own projections, not the fused one (`fused_outputs`; KDA, MLA, MLPs, LatentMoE): there the matmuls are
-# compute-bound, so one launch more a projection costs little, and each output is contiguous, as fla's kernels read
-# them (a strided view of the fused output is copied by their input guards: KDA's q, k, v, four copies a layer of
-# ~30 us each at 8,192 tokens on the H200, `forward_fused`; what it changes elsewhere was not measured apart).
-FUSED_MAX_TOKENS = 1024
-
-
 def fused_outputs(module: nn.Module, x: Tensor) -> dict[str, Tensor] | None:
     """{key: output} of the module's input projections from ONE matmul over their stacked weights, then a split:
     a batch-1 decode step is bound by kernel launches, one GEMV per projection (issue #12; Inductor does not merge
-    matmuls horizontally). None without an active `FusedLinears`, under autograd, or over more than
-    FUSED_MAX_TOKENS tokens: the caller then runs the modules themselves, so training, gradients and FSDP2 (which
-    gathers a module's weight only in its own call) never see the copy. NOTE: the outputs are views into one
-    [..., sum(sizes)] tensor."""
+    matmuls horizontally). None without an active `FusedLinears` or under autograd: the caller then runs the
+    modules themselves, so training, gradients and FSDP2 (which gathers a module's weight only in its own call) never
+    see the copy. NOTE: the outputs are views into one [..., sum(sizes)] tensor."""
     fused = module.fused_linears
-    if fused is None or not fused.active or torch.is_grad_enabled() or x.numel() > FUSED_MAX_TOKENS * x.shape[-1]:
+    if fused is None or not fused.active or torch.is_grad_enabled():
         return None
     return dict(zip(fused.keys, linear(x, fused.weight).split(fused.sizes, dim=-1)))
 
@@ -542,10 +533,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.H, self.K
         outs = fused_outputs(self, x)
-        # without the fused projections (training, a long prefill chunk: `fused_outputs`) q, k and v are projected
-        # and convolved apart (below), each contiguous
-        apart = outs is None and T > 1
-        qkv_in = None if apart else self.qkv_proj(x) if outs is None else outs["qkv"]
+        qkv_in = self.qkv_proj(x) if outs is None else outs["qkv"]
         per_token = isinstance(state, SlotKDAState) and state.token_rows is not None  # a verification's states kept
         # a decode step of the engine's slot pool: the conv tails read and updated where the pool keeps them, by one
         # kernel (the PyTorch chain's ~8 launches a layer and the tails' gather, ops/kda/conv_step.py)
@@ -566,17 +554,12 @@ class KimiDeltaAttention(nn.Module):
             if low:
                 f = low[0].view(B, T, H, K)
                 out_gate = low[1].view(B, T, H, K) if len(low) > 1 else None
-        elif apart:
-            # the conv is depthwise (channels independent), so each of q, k, v is convolved on its own and comes out
-            # contiguous, as fla's chunk_kda reads it: the q | k | v views of one [B, T, 3HK] conv output were copied
-            # by fla's input guards (and its input, the projections' cat or the fused output's strided view, once
-            # more): four copies of the layer's activations (~30 us each at 8,192 tokens on the H200)
-            ins = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-            q, k, v = (t.unflatten(-1, (H, K)) for t in outside_graph(self.conv_apart, ins, cu_seqlens, tail))
-            # what the cache keeps of the raw inputs: the conv tail's last W-1 (all of them for a verification's
-            # rollback)
-            qkv_in = torch.cat(ins if per_token else [i[:, -(self.W - 1):] for i in ins], dim=-1)
         else:
+            # NOTE: fla's input guards copy the strided q | k | v views below (and a strided qkv_in) before their
+            # kernels. Projecting (modules, not the fused matmul, past 1,024 tokens) and convolving q, k, v apart
+            # removed those copies and was measured on the H200 in the thirteenth session (docs/engine.md): a captured
+            # prefill of 16 x 512 tokens -0.8 ms of 29.3 ms device time, but one eager 8K-token prompt 41-42 -> 47 ms
+            # (the extra launches' host time), 64K the same within noise; not kept
             qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
             q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         f = self.decay_input(x, outs) if f is None else f
@@ -601,13 +584,6 @@ class KimiDeltaAttention(nn.Module):
         out_gate = self.output_gate(x, outs) if out_gate is None else out_gate
         o = outside_graph(kda_fused.gated_rms_norm, o, out_gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))
-
-    def conv_apart(self, ins: list[Tensor], cu_seqlens: Tensor | None, tail: Tensor | None) -> list[Tensor]:
-        """fla's conv + SiLU of the q, k, v projections ins [B, T, HK] each, one call each, from the matching channels
-        of the conv tail [B, W-1, 3HK] (`forward_fused`; one function, so torch.compile breaks its graph once here)."""
-        tails = [None] * 3 if tail is None else tail.split(self.H * self.K, dim=-1)
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        return [kda_fused.conv_silu(i, conv.weight[:, 0, :], cu_seqlens, t) for i, conv, t in zip(ins, convs, tails)]
 
     def lowrank_products(self, x: Tensor, outs: dict[str, Tensor] | None) -> list[tuple[Tensor, Tensor]]:
         """At one token a row (x [B, 1, D]): the (low-rank input [B, R], weight) pairs of f_b_proj and, with a
