@@ -253,13 +253,17 @@ def part_modules(model, args, rng, B: int, out_dir: Path) -> dict:
     return report_groups(f"modules batch {B} (a step)", found, out_dir / f"modules_b{B}.json")
 
 
+def prefill_engine(model, args, L: int, B: int, chunk: int, **kw):
+    """An engine for B prompts of L tokens prefilled in chunks of `chunk` tokens (pages for them and a few more)."""
+    args = argparse.Namespace(**{**vars(args), "prefill_chunk": chunk})
+    return engine_for(model, args, B, prefix_cache=False, num_pages=B * (-(-(L + 8) // args.page_size) + 1) + 2, **kw)
+
+
 def part_prefill_modules(model, args, rng, L: int, B: int, chunk: int, out_dir: Path) -> dict:
     """`modules:B` for a prefill of B prompts of L tokens (chunks of `chunk` tokens) until each has its first token:
     the path the engine takes with CUDA graphs (a chunk of at most STATIC_PREFILL_TOKENS a row as static runs), run
     eagerly."""
-    args = argparse.Namespace(**{**vars(args), "prefill_chunk": chunk})
-    engine = engine_for(model, args, B, prefix_cache=False, cuda_graphs=False,
-                        num_pages=B * (-(-(L + 8) // args.page_size) + 1) + 2)
+    engine = prefill_engine(model, args, L, B, chunk, cuda_graphs=False)
     engine.target.static_prefill = engine.target.decoder is not None  # as with graphs
     engine.generate(random_prompts(B, L, model.config.vocab_size, rng), greedy(1))  # untimed: compiled and tuned
     prompts = random_prompts(B, L, model.config.vocab_size, rng)
@@ -546,8 +550,7 @@ def part_attn() -> dict:
 
 
 def part_prefill(model, args, rng, L: int, B: int, chunk: int, out_dir: Path) -> dict:
-    args = argparse.Namespace(**{**vars(args), "prefill_chunk": chunk})
-    engine = engine_for(model, args, B, prefix_cache=False, num_pages=B * (-(-(L + 8) // args.page_size) + 1) + 2)
+    engine = prefill_engine(model, args, L, B, chunk)
 
     def run() -> float:
         prompts = random_prompts(B, L, model.config.vocab_size, rng)
