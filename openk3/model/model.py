@@ -546,10 +546,11 @@ class KimiDeltaAttention(nn.Module):
             # the gate's low-rank products (f_b; g_b of a low-rank output gate) in the conv's launch, and beta copied
             # contiguous for fla's kernel there (a view of the fused projections' output at B > 1)
             lowrank = self.lowrank_products(x, outs)
+            strided_beta = not b.is_contiguous()
             q, k, v, *low = conv_step_in_place(qkv_in[:, 0], self.q_conv1d.weight, self.k_conv1d.weight,
                                                self.v_conv1d.weight, *state.conv_pool_rows(), H, K, lowrank=lowrank,
-                                               beta=None if b.is_contiguous() else b[:, 0])
-            if not b.is_contiguous():
+                                               beta=b[:, 0] if strided_beta else None)
+            if strided_beta:
                 b = low.pop()
             if low:
                 f = low[0].view(B, T, H, K)
