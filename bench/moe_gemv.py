@@ -47,19 +47,24 @@ def situ(gate, up):
 situ.glu = GLUSpec("situ", 4.0, 25.0)
 
 
-def parse_blocks(text: str, tiles: int = 4, flag: str = "--blocks", example: str = "8,256,8,512") -> tuple[int, ...]:
-    """`tiles` tile sizes and optionally the two kernels' warps: powers of two."""
+def parse_blocks(text: str, tiles: int = 4, flag: str = "--blocks", example: str = "8,256,8,512",
+                 stages: bool = False) -> tuple[int, ...]:
+    """`tiles` tile sizes and optionally the two kernels' warps (powers of two), and with `stages` then optionally
+    their software-pipelining stages (1 or more)."""
     parts = text.split(",")
-    if (len(parts) not in (tiles, tiles + 2)
-            or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts)):
+    counts = (tiles, tiles + 2, tiles + 4) if stages else (tiles, tiles + 2)
+    pow2 = all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts[:tiles + 2])
+    if len(parts) not in counts or not pow2 or not all(p.isdigit() and int(p) > 0 for p in parts[tiles + 2:]):
+        more = ", then optionally their two stage counts" if stages else ""
         raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected {tiles} (or {tiles + 2}, with the two kernels' "
-                                         f"warps) powers of two, e.g. {example} or {example},4,4")
+                                         f"warps{more}) powers of two, e.g. {example} or {example},4,4")
     return tuple(int(p) for p in parts)
 
 
 def parse_by_expert_blocks(text: str) -> tuple[int, ...]:
-    """BLOCK_M,BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2[,WARPS1,WARPS2]; tl.dot needs every tile to be 16 or more."""
-    blocks = parse_blocks(text, 5, "--by-expert-blocks", "16,32,128,64,128")
+    """BLOCK_M,BLOCK_F,BLOCK_D1,BLOCK_D,BLOCK_F2[,WARPS1,WARPS2[,STAGES1,STAGES2]]; tl.dot needs every tile to be 16
+    or more."""
+    blocks = parse_blocks(text, 5, "--by-expert-blocks", "16,32,128,64,128", stages=True)
     if min(blocks[:5]) < 16:
         raise argparse.ArgumentTypeError(f"--by-expert-blocks {text!r}: every tile must be 16 or more (tl.dot)")
     return blocks
@@ -195,9 +200,9 @@ def main() -> None:
                     x, idx, w, a, b, c, act, blocks=t, warps=n)), blocks))
             for blocks in args.by_expert_blocks:
                 label = "by-expert " + (",".join(map(str, blocks)) if blocks else "default")
-                tiles, warps = (blocks[:5], blocks[5:] or None) if blocks else (None, None)
-                paths.append((label, cycled(lambda a, b, c, t=tiles, n=warps: moe_experts_by_expert(
-                    x, idx, w, a, b, c, act, blocks=t, warps=n)), blocks))
+                tiles, warps, stages = (blocks[:5], blocks[5:7] or None, blocks[7:] or None) if blocks else (None,) * 3
+                paths.append((label, cycled(lambda a, b, c, t=tiles, n=warps, st=stages: moe_experts_by_expert(
+                    x, idx, w, a, b, c, act, blocks=t, warps=n, stages=st)), blocks))
             taken = dispatched(T * K)
             for label, fn, blocks in paths:
                 y = fn()

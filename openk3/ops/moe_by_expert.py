@@ -65,6 +65,7 @@ BY_EXPERT_MAX_SLOTS = 1024
 BLOCK_F, BLOCK_D1 = 32, 128  # kernel 1: F rows of w1/w3 x D per step
 BLOCK_D, BLOCK_F2 = 64, 128  # kernel 2: D rows of w2 x F per step
 WARPS = (4, 4)
+STAGES = (3, 3)  # Triton's default on the GPU
 # Rows (token slots) of an expert a program multiplies at once: the mean group S / E rounded up to a power of two,
 # within these bounds (16: tl.dot's least; 64: two accumulators of 64 x 32 fp32 stay in registers). From static
 # shapes only, so a captured graph keeps it.
@@ -228,14 +229,15 @@ def moe_experts_by_expert(
     blocks: tuple[int, int, int, int, int] | None = None,
     warps: tuple[int, int] | None = None,
     shared: tuple[Tensor, Tensor, Tensor] | None = None,
+    stages: tuple[int, int] | None = None,
 ) -> Tensor:
     """Same as moe_experts_loop (forward only), with the kernels of the module docstring.
 
     x_TD: [T, D]. topk_idx_TK: [T, K]. topk_w_TK: [T, K]. w1_EFD, w3_EFD: [E, F, D]. w2_EDF: [E, D, F].
     act: a callable `moe_gemv.glu_spec` knows. Returns y_TD: [T, D] in x's dtype.
     blocks: (BLOCK_M, BLOCK_F, BLOCK_D1, BLOCK_D, BLOCK_F2) tile sizes (powers of two, at least 16), warps: the
-    warps of a program of kernel 1, kernel 2; for the bench and the tests; None = the module's (`block_m`, BLOCK_*,
-    WARPS). Raises ValueError as moe_experts_gemv (`moe_gemv.check_kernel_call`).
+    warps of a program of kernel 1, kernel 2, stages: their software-pipelining stages; for the bench and the tests;
+    None = the module's (`block_m`, BLOCK_*, WARPS, STAGES). Raises ValueError as moe_experts_gemv (`moe_gemv.check_kernel_call`).
     shared: a shared expert's weights, as moe_experts_gemv takes them (y is then `routed + shared`, each in x's
     dtype): its T rows follow the routed ones, in chunks of BLOCK_M rows each a program of both kernels, and the
     combine adds them.
@@ -254,6 +256,7 @@ def moe_experts_by_expert(
     block_rows, block_f, block_d1, block_d, block_f2 = blocks or (
         block_m(S, E), cap(BLOCK_F, F), cap(BLOCK_D1, D), cap(BLOCK_D, D), cap(BLOCK_F2, F))
     warps1, warps2 = warps or WARPS
+    stages1, stages2 = stages or STAGES
     # one set of strides serves the gate and up matrices of every expert (and the down matrices theirs)
     w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
     # NOTE: tl.dot on fp32 defaults to TF32 on the GPU (10-bit mantissas); the reference multiplies in full fp32
@@ -271,8 +274,8 @@ def moe_experts_by_expert(
     _gate_up_kernel[(programs, triton.cdiv(F, block_f))](
         x_TD, order_S, offs_E, w1_EFD, w3_EFD, w1s, w3s, h_SF, E, S, T, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
         SITU=spec.kind == "situ", beta=float(spec.beta), linear_beta=float(spec.linear_beta), PRECISION=precision,
-        UPCAST=upcast, BLOCK_M=block_rows, BLOCK_F=block_f, BLOCK_D=block_d1, num_warps=warps1)
+        UPCAST=upcast, BLOCK_M=block_rows, BLOCK_F=block_f, BLOCK_D=block_d1, num_warps=warps1, num_stages=stages1)
     _down_kernel[(programs, triton.cdiv(D, block_d))](
         h_SF, offs_E, w2_EDF, w2s, out_SD, E, S, T, F, D, *w2_EDF.stride(), PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=block_rows, BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2)
+        BLOCK_M=block_rows, BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2, num_stages=stages2)
     return combine_rows(out_SD, row_S, topk_w_TK, shared=shared is not None)
