@@ -29,6 +29,8 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                module) of B rows, grouped by the module that launched them (each layer's mixer, router, experts,
                shared experts, dense MLP, norms; the rest as "step"): count and device us a step, and each group's
                kernel names in order, written to <out>/modules_b<B>.json
+  recurrent    fla's token-by-token KDA kernel over the slot pool at batch 1 / 16 / 64 over its state columns a
+               program and warps, against fla's wrapper and a copy of the same states: us a call
   router       the router kernel over its tiles and warps against the eager chain (cuBLAS, sigmoid, selection):
                us a call at kimi-linear-1.5b's and K3's shapes
   mla          the paged MLA decode kernel over its key splits and key blocks at batch 1, 16, 64: us a call
@@ -441,6 +443,66 @@ def part_linear() -> dict:
     return out
 
 
+def part_recurrent() -> dict:
+    """fla's token-by-token KDA kernel over the engine's slot pool (`recurrent_pool_step`: one layer's decode-step
+    recurrence at kimi-linear-1.5b's 16 heads of 128, bf16 inputs, fp32 states updated in place) at batch 1 / 16 / 64
+    over (BV state columns a program, warps), against fla's own wrapper (BV 32, 4 warps) and a copy of the same
+    states (each read and written once: the floor of an in-place update). Each timed as a CUDA graph of 20 calls
+    cycling over enough pools (>= 256 MB) that the states come from HBM, as in a step: us a call, the state bytes
+    moved (read + written) a second, and each variant's largest difference from the wrapper's output and states."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from openk3.ops.kda.fused import recurrent_pool_step
+
+    H, K = 16, 128
+    variants = [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 4),
+                (128, 8)]
+    out = {}
+    for B in (1, 16, 64):
+        gen = torch.Generator(device="cuda").manual_seed(B)
+        q, k, v, f = (torch.randn(B, 1, H, K, device="cuda", generator=gen).bfloat16() for _ in range(4))
+        beta = torch.randn(B, 1, H, device="cuda", generator=gen).bfloat16()
+        A_log = torch.rand(H, device="cuda", generator=gen).mul(3).log1p()
+        dt_bias = torch.randn(H * K, device="cuda", generator=gen)
+        state_bytes = B * H * K * K * 4
+        n = max(20, -(-(256 << 20) // state_bytes))
+        pools = [torch.randn(B + 1, H, K, K, device="cuda", generator=gen) * 0.1 for _ in range(n)]
+        idx = torch.randperm(B + 1, device="cuda", generator=gen)[:B].int()
+        copies = [torch.empty(B, H, K, K, device="cuda") for _ in range(n)]
+        args = dict(q=q, k=k, v=v, g=f, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5, lower_bound=None,
+                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+        def fla(pool):
+            return fused_recurrent_kda_fwd(initial_state=pool, inplace_final_state=True, ssm_state_indices=idx,
+                                           out=torch.empty_like(v), **args)[0]
+
+        def ours(pool, bv, w):
+            return recurrent_pool_step(initial_state=pool, state_indices=idx, out=torch.empty_like(v), block_v=bv,
+                                       warps=w, **args)
+
+        base = pools[0].clone()  # (the timings below update the pools in place)
+        ref_pool = base.clone()
+        ref_o = fla(ref_pool)
+        it = iter(range(10 ** 9))
+        row = {"copy_us": time_graph(lambda: copies[next(it) % n].copy_(pools[next(it) % n][:B]), 20, 10),
+               "fla_us": time_graph(lambda: fla(pools[next(it) % n]), 20, 10)}
+        for bv, w in variants:
+            pool = base.clone()
+            o = ours(pool, bv, w)
+            err = max((o.float() - ref_o.float()).abs().max().item(), (pool - ref_pool).abs().max().item())
+            row[f"bv{bv}_w{w}"] = {"us": time_graph(lambda bv=bv, w=w: ours(pools[next(it) % n], bv, w), 20, 10),
+                                   "max_diff": err}
+        gbs = 2 * state_bytes / 1e3
+        best = min((key for key in row if key.startswith("bv")), key=lambda key: row[key]["us"])
+        print(f"  B={B:3d}  copy {row['copy_us']:6.2f} us ({gbs / row['copy_us']:5.0f} GB/s)  fla {row['fla_us']:6.2f} "
+              f"us ({gbs / row['fla_us']:5.0f} GB/s)  best {best} {row[best]['us']:6.2f} us "
+              f"({gbs / row[best]['us']:5.0f} GB/s)", flush=True)
+        print("         " + "  ".join(f"{key} {val['us']:.2f} ({val['max_diff']:.0e})" for key, val in row.items()
+                                    if key.startswith("bv")), flush=True)
+        out[str(B)] = {**row, "state_GB_moved": 2 * state_bytes / 1e9, "best": best}
+    return out
+
+
 def part_router() -> dict:
     """The router kernel (ops/router_topk.py) at kimi-linear-1.5b's shape (32 experts, D 1536, top 4) and K3's (896,
     7168, top 16) over its tiles and warps, against the eager chain (cuBLAS's fp32 matmul, the sigmoid, the selection
@@ -622,7 +684,7 @@ def prefill_shape(part: str) -> tuple[int, int, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="+", help="kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], "
+    p.add_argument("parts", nargs="+", help="kda, attn, linear, recurrent, router, mla, hit, prefill:L[:B[:C]], "
                                             "prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, decode:B, "
                                             "decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
@@ -656,6 +718,8 @@ def main() -> None:
                 results[name] = part_linear()
             elif name == "router":
                 results[name] = part_router()
+            elif name == "recurrent":
+                results[name] = part_recurrent()
             elif name == "mla":
                 results[name] = part_mla()
             elif name.startswith("prefill-modules:"):
@@ -670,9 +734,9 @@ def main() -> None:
                 _, B, *c = name.split(":")
                 results[name] = part_decode(model, args, rng, int(B), c == ["c"], a.out)
             else:
-                raise ValueError(f"unknown part {name!r}: kda, attn, linear, router, mla, hit, prefill:L[:B[:C]], "
-                                 f"prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, decode:B, decode:B:c "
-                                 f"or spec:k")
+                raise ValueError(f"unknown part {name!r}: kda, attn, linear, recurrent, router, mla, hit, "
+                                 f"prefill:L[:B[:C]], prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, "
+                                 f"decode:B, decode:B:c or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()

@@ -38,6 +38,7 @@ from openk3.ops.attnres import attnres_mix
 from openk3.ops.kda import fused as kda_fused
 from openk3.ops.kda import select_kda_backend
 from openk3.ops.gemv import gemv, gemv_applies as linear_gemv_applies
+from openk3.ops.kda.conv_chunk import conv_chunk, conv_chunk_applies
 from openk3.ops.kda.conv_step import conv_step_applies, conv_step_in_place
 from openk3.ops.mla_decode import latent_attention, paged_latent_attention
 from openk3.ops.moe import route
@@ -519,7 +520,8 @@ class KimiDeltaAttention(nn.Module):
                       recurrent: bool = False) -> Tensor:
         """`forward` with its elementwise chains inside fla's kernels (ops/kda/fused.py): the short conv + SiLU (at a
         decode step's one token, a few PyTorch ops instead: `conv_silu`; over the engine's slot pool, one kernel that
-        updates the pool's conv tails in place where Triton runs: ops/kda/conv_step.py), the decay gate inside
+        updates the pool's conv tails in place where Triton runs: ops/kda/conv_step.py; a chunk without gradients
+        there, one kernel writing q, k, v apart: ops/kda/conv_chunk.py), the decay gate inside
         chunk_kda, and the gated output norm; with `state` (not with cu_seqlens) the conv starts from its tail and the
         recurrence from its state, and both are updated as `forward` updates them (inputs None). `recurrent` (with a
         state, forward only): fla's token-by-token kernel in place of chunk_kda, with beta's sigmoid inside it too; a
@@ -555,12 +557,14 @@ class KimiDeltaAttention(nn.Module):
             if low:
                 f = low[0].view(B, T, H, K)
                 out_gate = low[1].view(B, T, H, K) if len(low) > 1 else None
+        elif T > 1 and cu_seqlens is None and not torch.compiler.is_compiling() and conv_chunk_applies(
+                qkv_in, tail, conv_ws := (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)):
+            # a chunk without gradients: q, k, v written apart and contiguous by one kernel (ops/kda/conv_chunk.py),
+            # where fla's conv and chunk_kda's input guards copied the strided qkv_in and the q | k | v views
+            # (NOTE: projecting and convolving q, k, v apart instead was measured and not kept; docs/engine.md,
+            # thirteenth session)
+            q, k, v = conv_chunk(qkv_in, *conv_ws, tail, H, K)
         else:
-            # NOTE: fla's input guards copy the strided q | k | v views below (and a strided qkv_in) before their
-            # kernels. Projecting (modules, not the fused matmul, past 1,024 tokens) and convolving q, k, v apart
-            # removed those copies and was measured on the H200 in the thirteenth session (docs/engine.md): a captured
-            # prefill of 16 x 512 tokens -0.8 ms of 29.3 ms device time, but one eager 8K-token prompt 41-42 -> 47 ms
-            # (the extra launches' host time), 64K the same within noise; not kept
             qkv = outside_graph(kda_fused.conv_silu, qkv_in, self.conv_weight()[:, 0, :], cu_seqlens, tail)
             q, k, v = (t.unflatten(-1, (H, K)) for t in qkv.split(H * K, dim=-1))
         f = self.decay_input(x, outs) if f is None else f

@@ -22,6 +22,7 @@ import openk3.serve.static as static_module
 from openk3.model.model import causal_conv_silu, kda_decay
 from openk3.ops.kda import KDABackend, chunk_kda_torch, naive_recurrent_kda
 from openk3.ops.kda import fused as kda_fused
+from openk3.ops.kda.conv_chunk import conv_chunk_applies
 from openk3.serve.runner import ModelRunner
 from tests.helpers import rel_err
 from tests.serve.test_cache import small_model
@@ -65,6 +66,45 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
     return out.copy_(o), ht if output_final_state else None
 
 
+class FusedRecurrentKernel:
+    """fla's bare kernel as `recurrent_pool_step` launches it (the slot pool's in-place mode, one token a row): checks
+    the launch (the grid of V / BV x N x HV programs, contiguous inputs, the pool as both states, every other argument
+    as fla's wrapper passes it in that mode) and computes it as the wrapper's stand-in above; each launch recorded in
+    `calls`."""
+
+    # fla 0.6's kernel's arguments (`recurrent_pool_step` falls back to the wrapper where they differ)
+    arg_names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens", "ssm_state_indices",
+                 "num_accepted_tokens", "lower_bound", "scale", "N", "T", "H", "HV", "K", "V", "BK", "BV",
+                 "stride_init_state_token", "stride_final_state_token", "stride_indices_seq", "stride_indices_tok",
+                 "USE_INITIAL_STATE", "INPLACE_FINAL_STATE", "IS_BETA_HEADWISE", "USE_QK_L2NORM_IN_KERNEL",
+                 "IS_VARLEN", "IS_CONTINUOUS_BATCHING", "IS_SPEC_DECODING", "STORE_FINAL_STATE", "HAS_A", "HAS_BIAS",
+                 "USE_GATE_IN_KERNEL", "USE_LOWER_BOUND", "APPLY_BETA_SIGMOID", "ALLOW_NEG_EIGVAL", "STATE_V_FIRST",
+                 "num_stages"]
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        def launch(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, ssm_state_indices, scale, lower_bound, N, T, H, HV,
+                   K, V, BK, BV, INPLACE_FINAL_STATE, USE_QK_L2NORM_IN_KERNEL, USE_GATE_IN_KERNEL, APPLY_BETA_SIGMOID,
+                   STATE_V_FIRST, IS_BETA_HEADWISE, stride_init_state_token, stride_final_state_token, **rest):
+            assert grid == (-(-V // BV) * N * HV,) and h0 is ht and INPLACE_FINAL_STATE and not STATE_V_FIRST
+            assert stride_init_state_token == stride_final_state_token == h0.stride(0) and not IS_BETA_HEADWISE
+            assert (N, T, H, HV, K, V) == (*q.shape[:3], v.shape[2], q.shape[3], v.shape[3]) and T == 1
+            assert BK >= K and BK & (BK - 1) == 0 and BV & (BV - 1) == 0
+            assert rest == {"cu_seqlens": None, "num_accepted_tokens": None, "stride_indices_seq": 1,
+                            "stride_indices_tok": 1, "ALLOW_NEG_EIGVAL": False, "num_warps": rest["num_warps"],
+                            "num_stages": 2}
+            contiguous(ssm_state_indices=ssm_state_indices, o=o)
+            self.calls.append("fused_recurrent_kda_fwd_kernel")
+            fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, h0, True,
+                                    ssm_state_indices=ssm_state_indices,
+                                    use_qk_l2norm_in_kernel=USE_QK_L2NORM_IN_KERNEL,
+                                    use_gate_in_kernel=USE_GATE_IN_KERNEL,
+                                    use_beta_sigmoid_in_kernel=APPLY_BETA_SIGMOID, lower_bound=lower_bound, out=o)
+        return launch
+
+
 def chunk_kda(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None):
     assert use_qk_l2norm_in_kernel and use_gate_in_kernel and safe_gate == (lower_bound is not None)
@@ -106,14 +146,15 @@ def fake_fla(monkeypatch):
             return fn(*args, **kwargs)
         return call
     modules = {"fla": {}, "fla.ops": {}, "fla.ops.kda": {"chunk_kda": chunk_kda},
-               "fla.ops.kda.fused_recurrent": {"fused_recurrent_kda_fwd": fused_recurrent_kda_fwd},
+               "fla.ops.kda.fused_recurrent": {"fused_recurrent_kda_fwd": fused_recurrent_kda_fwd,
+                                              "fused_recurrent_kda_fwd_kernel": FusedRecurrentKernel(calls)},
                "fla.modules": {}, "fla.modules.causal_conv1d": {"causal_conv1d": causal_conv1d},
                "fla.modules.norm": {}, "fla.modules.norm.fused_norm_gate": {"rms_norm_gated": rms_norm_gated},
                "fla.modules.norm.layernorm": {"layer_norm_fwd": layer_norm_fwd}}
     for name, attrs in modules.items():
         module = types.ModuleType(name)
         for key, fn in attrs.items():
-            setattr(module, key, recorded(fn))
+            setattr(module, key, recorded(fn) if callable(fn) else fn)
         monkeypatch.setitem(sys.modules, name, module)
     backend = KDABackend("fla", "stand-ins (tests)", chunk_kda_torch, naive_recurrent_kda, fused=True)
     for module in (model_module, static_module):
@@ -175,8 +216,11 @@ def test_fused_routing_equals_the_reference_chain(family, fake_fla, monkeypatch,
     assert {("recurrent_gated", 5), ("chunk_gated", 13), ("recurrent_gated", 7),
             ("recurrent_gated", 1)} == set(paths)
     assert paths.count(("recurrent_gated", 1)) == kda_layers * steps
-    assert fake_fla.count("fused_recurrent_kda_fwd") == kda_layers * (2 + steps)
-    assert fake_fla.count("causal_conv1d") == kda_layers * len(prompts)  # the prefills; decode's conv is PyTorch's
+    assert fake_fla.count("fused_recurrent_kda_fwd") == kda_layers * 2  # the prefills of 5 and 7 tokens
+    assert fake_fla.count("fused_recurrent_kda_fwd_kernel") == kda_layers * steps  # the pool's decode steps
+    # the prefills (decode's conv is PyTorch's or conv_step.py's), where ops/kda/conv_chunk.py's kernel does not run
+    chunk_kernel = conv_chunk_applies(torch.zeros(1, 1, 3), None)  # (the CPU: under Triton's interpreter)
+    assert fake_fla.count("causal_conv1d") == (0 if chunk_kernel else kda_layers * len(prompts))
     assert fake_fla.count("layer_norm_fwd") > 0 and "chunk_kda" in fake_fla
     reference_backend(monkeypatch)
     want = serve(ModelRunner(model, num_pages=64, page_size=4), prompts, joins, steps)

@@ -153,6 +153,16 @@ if triton is not None:
                     _lowrank_block(xg_ptr, stride_lr, wg_ptr, yg_ptr, b, n, B, N, R, BLOCK_R, BLOCK_B, DOT_FP32)
 
 
+def check_conv_weights(fn: str, ws: tuple[Tensor, Tensor, Tensor], HK: int, device: torch.device) -> None:
+    """Raises ValueError naming the bad one unless the q, k, v conv weights ws are contiguous [HK, 1, W] of one W
+    and one dtype on `device` (a kernel's branch per q, k, v needs one pointer type)."""
+    W = ws[0].shape[-1]
+    for name, w in zip(("w_q", "w_k", "w_v"), ws):
+        if w.shape != (HK, 1, W) or not w.is_contiguous() or w.dtype != ws[0].dtype or w.device != device:
+            raise ValueError(f"{fn}: {name} {tuple(w.shape)} {w.dtype} on {w.device}: want contiguous [{HK}, 1, {W}] "
+                             f"in {ws[0].dtype} on {device}")
+
+
 def conv_step_in_place(qkv_BC: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, conv_pool: Tensor, rows_B: Tensor,
                        H: int, K: int, lowrank: list[tuple[Tensor, Tensor]] = (),
                        beta: Tensor | None = None) -> tuple[Tensor, ...]:
@@ -180,10 +190,7 @@ def conv_step_in_place(qkv_BC: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, co
     if C3 != 3 * HK or qkv_BC.stride(-1) != 1:
         raise ValueError(f"conv_step_in_place: qkv {tuple(qkv_BC.shape)} stride {qkv_BC.stride()}: want [B, {3 * HK}] "
                          f"with contiguous channels")
-    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v)):
-        if w.shape != (HK, 1, W) or not w.is_contiguous() or w.dtype != w_q.dtype:
-            raise ValueError(f"conv_step_in_place: {name} {tuple(w.shape)} {w.dtype}: want contiguous [{HK}, 1, {W}] "
-                             f"in {w_q.dtype}")
+    check_conv_weights("conv_step_in_place", (w_q, w_k, w_v), HK, qkv_BC.device)
     if conv_pool.shape[1:] != (W - 1, C3) or not conv_pool.is_contiguous():
         raise ValueError(f"conv_step_in_place: conv_pool {tuple(conv_pool.shape)}: want contiguous [N, {W - 1}, {C3}]")
     if rows_B.shape != (B,) or rows_B.dtype != torch.int64:

@@ -7,7 +7,8 @@ and chunk_gated also start from a cache's state (the conv tail, the recurrent st
 
     conv_silu      causal_conv_silu: depthwise causal short conv + SiLU, restarting at document starts; one
                    token after a cache's tail (a decode step) in plain PyTorch instead (`conv_silu_one_token`), or
-                   over the engine's slot pool in one Triton kernel that updates the tails there (conv_step.py)
+                   over the engine's slot pool in one Triton kernel that updates the tails there (conv_step.py);
+                   a chunk without gradients goes to conv_chunk.py's kernel instead (model.py `forward_fused`)
     chunk_gated    decay() + the delta rule: the gate  lb * sigmoid(exp(A_log) * (f + dt_bias))  (K3, bounded;
                    fla's `safe_gate`) or  -exp(A_log) * softplus(f + dt_bias)  (Kimi-Linear) computed inside
                    fla's chunk_kda, which also returns the gradients of A_log and dt_bias
@@ -132,15 +133,68 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
                 raise ValueError(f"recurrent_gated: state_indices {tuple(state_indices.shape)} (accepted "
                                  f"{'given' if accepted is not None else 'None'}) for q {tuple(q.shape)}: [B] at one "
                                  f"token a row, or [B, T] with accepted")
-            # for row n the kernel reads initial_state[state_indices[n, accepted[n] - 1]] (or [n]; rows
-            # initial_state.stride(0) apart, the index row contiguous) and writes its state after token t to
-            # initial_state[state_indices[n, t]]
+            if state_indices.ndim == 1:
+                return recurrent_pool_step(initial_state=initial_state, state_indices=state_indices, **args), None
+            # for row n the kernel reads initial_state[state_indices[n, accepted[n] - 1]] (rows initial_state.stride(0)
+            # apart, the index row contiguous) and writes its state after token t to initial_state[state_indices[n, t]]
             o, _ = fused_recurrent_kda_fwd(initial_state=initial_state, inplace_final_state=True,
                                            ssm_state_indices=state_indices.contiguous(),
                                            num_accepted_tokens=accepted, **args)
             return o, None
         return fused_recurrent_kda_fwd(initial_state=initial_state.float().contiguous(), inplace_final_state=False,
                                        output_final_state=True, **args)
+
+
+def recurrent_block(B: int) -> tuple[int, int]:
+    """(BV, warps) of fla's token-by-token kernel for a decode step of B rows (`recurrent_pool_step`).
+    NOTE: measured on one H200 (`decode_probe.py recurrent`, 16 heads of 128, fp32 states from HBM, fourteenth
+    session, docs/engine.md), us a layer's call with fla's wrapper's (32, 4) -> these: batch 1 3.98 -> 2.95 (8
+    programs of 16 columns a head, 128 in all, fill more of the 132 SMs than 64), 16 14.76 -> 12.67, 64 46.66 ->
+    42.35 (a copy of the same states, read and written once: 33.6); the best of 12 (BV, warps) pairs from 8 to 128
+    and 1 to 8 at each."""
+    return (16, 1) if B <= 16 else (32, 2)
+
+
+def recurrent_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                        scale: float, lower_bound: float | None, initial_state: Tensor, state_indices: Tensor,
+                        out: Tensor, block_v: int | None = None, warps: int | None = None, *,
+                        use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+                        use_beta_sigmoid_in_kernel: bool) -> Tensor:
+    """One token a row through fla's token-by-token kernel over the engine's slot pool, launched here with a grid of
+    `block_v` state columns a program and `warps` (fla's wrapper fixes 32 and 4; `recurrent_block` picks them by
+    batch size): row n's state initial_state[state_indices[n]] updated in place. The arguments are
+    `recurrent_gated`'s (contiguous, on the inputs' device; the three use_* switches must be True). -> out
+    [B, 1, HV, V]. Where fla's kernel does not take the arguments named below (another fla version), fla's wrapper
+    runs instead, with its own grid."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd, fused_recurrent_kda_fwd_kernel
+
+    B, T, H, K = k.shape
+    HV, V = v.shape[2:]
+    bv, nw = recurrent_block(B)
+    bv, nw = block_v or bv, warps or nw
+    if (T != 1 or state_indices.shape != (B,) or out.shape != v.shape or bv & (bv - 1)
+            or not (use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel)):
+        raise ValueError(f"recurrent_pool_step: one token a row with the gate, norms and beta's sigmoid in the kernel "
+                         f"and BV a power of two; got q {tuple(q.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, "
+                         f"state_indices {tuple(state_indices.shape)}, BV {bv}")
+    stride = initial_state.stride(0)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, o=out, h0=initial_state,
+                ht=initial_state, cu_seqlens=None, ssm_state_indices=state_indices.contiguous(),
+                num_accepted_tokens=None, lower_bound=lower_bound, scale=scale, N=B, T=T, H=H, HV=HV, K=K, V=V,
+                BK=1 << (K - 1).bit_length(), BV=bv, stride_init_state_token=stride, stride_final_state_token=stride,
+                stride_indices_seq=1, stride_indices_tok=1, IS_BETA_HEADWISE=False, USE_QK_L2NORM_IN_KERNEL=True,
+                INPLACE_FINAL_STATE=True, USE_GATE_IN_KERNEL=True, APPLY_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False,
+                STATE_V_FIRST=False)
+    if not set(args) <= set(getattr(fused_recurrent_kda_fwd_kernel, "arg_names", ())):
+        return fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                                       initial_state=initial_state, inplace_final_state=True,
+                                       ssm_state_indices=state_indices.contiguous(), use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                       lower_bound=lower_bound, out=out)[0]
+    # NOTE: fla 0.6's kernel with the arguments its wrapper `fused_recurrent_kda_fwd` passes in the continuous-batching
+    # mode (ssm_state_indices [N], in place), over a grid of (V / BV) x N x HV programs
+    fused_recurrent_kda_fwd_kernel[(-(-V // bv) * B * HV,)](**args, num_warps=nw, num_stages=2)
+    return out
 
 
 def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
