@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from openk3.ops.kda.conv_step import check_conv_weights, conv_step_supported, triton
+from openk3.ops.kda.conv_step import check_conv_inputs, conv_step_supported, triton
 
 if triton is not None:
     import triton.language as tl
@@ -87,12 +87,7 @@ def conv_chunk(qkv: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, tail: Tensor 
     tail [B, W-1, 3*H*K] (channels contiguous) or None (zeros before the chunk).
     -> q, k, v [B, T, H, K] contiguous in qkv's dtype."""
     B, T, C3 = qkv.shape
-    HK = H * K
-    W = w_q.shape[-1]
-    if C3 != 3 * HK or qkv.stride(-1) != 1:
-        raise ValueError(f"conv_chunk: qkv {tuple(qkv.shape)} stride {qkv.stride()}: want [B, T, {3 * HK}] with "
-                         f"contiguous channels")
-    check_conv_weights("conv_chunk", (w_q, w_k, w_v), HK, qkv.device)
+    HK, W = check_conv_inputs("conv_chunk", qkv, (w_q, w_k, w_v), H, K)
     if tail is not None and (tail.shape != (B, W - 1, C3) or tail.stride(-1) != 1 or tail.device != qkv.device):
         raise ValueError(f"conv_chunk: tail {tuple(tail.shape)} stride {tail.stride()} on {tail.device}: want "
                          f"[{B}, {W - 1}, {C3}] with contiguous channels on {qkv.device}")

@@ -153,14 +153,19 @@ if triton is not None:
                     _lowrank_block(xg_ptr, stride_lr, wg_ptr, yg_ptr, b, n, B, N, R, BLOCK_R, BLOCK_B, DOT_FP32)
 
 
-def check_conv_weights(fn: str, ws: tuple[Tensor, Tensor, Tensor], HK: int, device: torch.device) -> None:
-    """Raises ValueError naming the bad one unless the q, k, v conv weights ws are contiguous [HK, 1, W] of one W
-    and one dtype on `device` (a kernel's branch per q, k, v needs one pointer type)."""
-    W = ws[0].shape[-1]
+def check_conv_inputs(fn: str, qkv: Tensor, ws: tuple[Tensor, Tensor, Tensor], H: int, K: int) -> tuple[int, int]:
+    """Raises ValueError naming the bad one unless qkv [..., 3*H*K] has contiguous channels and the q, k, v conv
+    weights ws are contiguous [H*K, 1, W] of one W and one dtype on qkv's device (a kernel's branch per q, k, v needs
+    one pointer type). -> (H*K, W)."""
+    HK, W = H * K, ws[0].shape[-1]
+    if qkv.shape[-1] != 3 * HK or qkv.stride(-1) != 1:
+        want = ", ".join(["B", "T"][:qkv.dim() - 1] + [str(3 * HK)])
+        raise ValueError(f"{fn}: qkv {tuple(qkv.shape)} stride {qkv.stride()}: want [{want}] with contiguous channels")
     for name, w in zip(("w_q", "w_k", "w_v"), ws):
-        if w.shape != (HK, 1, W) or not w.is_contiguous() or w.dtype != ws[0].dtype or w.device != device:
+        if w.shape != (HK, 1, W) or not w.is_contiguous() or w.dtype != ws[0].dtype or w.device != qkv.device:
             raise ValueError(f"{fn}: {name} {tuple(w.shape)} {w.dtype} on {w.device}: want contiguous [{HK}, 1, {W}] "
-                             f"in {ws[0].dtype} on {device}")
+                             f"in {ws[0].dtype} on {qkv.device}")
+    return HK, W
 
 
 def conv_step_in_place(qkv_BC: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, conv_pool: Tensor, rows_B: Tensor,
@@ -185,12 +190,7 @@ def conv_step_in_place(qkv_BC: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, co
     rows' outputs are never read, the scratch row is zeroed after the step, serve/static.py `clear_scratch`); rows of
     real requests are distinct and exact."""
     B, C3 = qkv_BC.shape
-    HK = H * K
-    W = w_q.shape[-1]
-    if C3 != 3 * HK or qkv_BC.stride(-1) != 1:
-        raise ValueError(f"conv_step_in_place: qkv {tuple(qkv_BC.shape)} stride {qkv_BC.stride()}: want [B, {3 * HK}] "
-                         f"with contiguous channels")
-    check_conv_weights("conv_step_in_place", (w_q, w_k, w_v), HK, qkv_BC.device)
+    HK, W = check_conv_inputs("conv_step_in_place", qkv_BC, (w_q, w_k, w_v), H, K)
     if conv_pool.shape[1:] != (W - 1, C3) or not conv_pool.is_contiguous():
         raise ValueError(f"conv_step_in_place: conv_pool {tuple(conv_pool.shape)}: want contiguous [N, {W - 1}, {C3}]")
     if rows_B.shape != (B,) or rows_B.dtype != torch.int64:
