@@ -263,6 +263,30 @@ def test_a_verification_keeping_every_state_rolls_back_by_a_copy(family, fake_fl
     assert not any(t.any() for t in scratch)
 
 
+def test_a_kernel_of_other_arguments_falls_back_to_fla_s_wrapper(fake_fla, monkeypatch):
+    """A decode step over the slot pool launches fla's bare kernel where it takes `recurrent_pool_step`'s arguments by
+    name, and else (another fla version) runs fla's wrapper, with the same result."""
+    g = torch.Generator().manual_seed(0)
+    B, H, K = 3, 2, 8
+    q, k, v, f = (torch.randn(B, 1, H, K, generator=g) for _ in range(4))
+    beta, A_log = torch.randn(B, 1, H, generator=g), torch.randn(H, generator=g)
+    dt_bias = torch.randn(H * K, generator=g)
+    pool = torch.randn(B + 2, H, K, K, generator=g)
+    rows = torch.tensor([4, 0, 2])
+    results = []
+    for names in (FusedRecurrentKernel.arg_names, ["q", "k", "v"]):
+        monkeypatch.setattr(FusedRecurrentKernel, "arg_names", names)
+        fake_fla.clear()
+        p = pool.clone()
+        o, final = kda_fused.recurrent_gated(q, k, v, f, beta, A_log, dt_bias, None, K ** -0.5, p, rows)
+        assert final is None
+        results.append((o, p))
+        launched = "fused_recurrent_kda_fwd_kernel" if len(names) > 3 else "fused_recurrent_kda_fwd"
+        assert fake_fla == [launched], fake_fla
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][1], pool)
+
+
 def test_the_slot_pool_names_too_few_spare_rows(fake_fla):
     """A verification of more rows or tokens than the spare rows hold is refused with the numbers; a runner without
     them (no spec_tokens) verifies through the reference chain and `rollback_kda`, fla or not."""

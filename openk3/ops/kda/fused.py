@@ -134,9 +134,12 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
                                  f"{'given' if accepted is not None else 'None'}) for q {tuple(q.shape)}: [B] at one "
                                  f"token a row, or [B, T] with accepted")
             if state_indices.ndim == 1:
-                return recurrent_pool_step(initial_state=initial_state, state_indices=state_indices, **args), None
-            # for row n the kernel reads initial_state[state_indices[n, accepted[n] - 1]] (rows initial_state.stride(0)
-            # apart, the index row contiguous) and writes its state after token t to initial_state[state_indices[n, t]]
+                o = recurrent_pool_step(initial_state=initial_state, state_indices=state_indices, **args)
+                if o is not None:
+                    return o, None
+            # for row n the kernel reads initial_state[state_indices[n, accepted[n] - 1]] (or [n]; rows
+            # initial_state.stride(0) apart, the index row contiguous) and writes its state after token t to
+            # initial_state[state_indices[n, t]]
             o, _ = fused_recurrent_kda_fwd(initial_state=initial_state, inplace_final_state=True,
                                            ssm_state_indices=state_indices.contiguous(),
                                            num_accepted_tokens=accepted, **args)
@@ -159,14 +162,14 @@ def recurrent_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         scale: float, lower_bound: float | None, initial_state: Tensor, state_indices: Tensor,
                         out: Tensor, block_v: int | None = None, warps: int | None = None, *,
                         use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
-                        use_beta_sigmoid_in_kernel: bool) -> Tensor:
+                        use_beta_sigmoid_in_kernel: bool) -> Tensor | None:
     """One token a row through fla's token-by-token kernel over the engine's slot pool, launched here with a grid of
     `block_v` state columns a program and `warps` (fla's wrapper fixes 32 and 4; `recurrent_block` picks them by
     batch size): row n's state initial_state[state_indices[n]] updated in place. The arguments are
     `recurrent_gated`'s (contiguous, on the inputs' device; the three use_* switches must be True). -> out
-    [B, 1, HV, V]. Where fla's kernel does not take the arguments named below (another fla version), fla's wrapper
-    runs instead, with its own grid."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd, fused_recurrent_kda_fwd_kernel
+    [B, 1, HV, V], or None (nothing launched) where fla's kernel does not take the arguments named below (another fla
+    version): `recurrent_gated` then runs fla's wrapper, with its own grid."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
 
     B, T, H, K = k.shape
     HV, V = v.shape[2:]
@@ -186,11 +189,7 @@ def recurrent_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                 INPLACE_FINAL_STATE=True, USE_GATE_IN_KERNEL=True, APPLY_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False,
                 STATE_V_FIRST=False)
     if not set(args) <= set(getattr(fused_recurrent_kda_fwd_kernel, "arg_names", ())):
-        return fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
-                                       initial_state=initial_state, inplace_final_state=True,
-                                       ssm_state_indices=state_indices.contiguous(), use_qk_l2norm_in_kernel=True,
-                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                       lower_bound=lower_bound, out=out)[0]
+        return None
     # NOTE: fla 0.6's kernel with the arguments its wrapper `fused_recurrent_kda_fwd` passes in the continuous-batching
     # mode (ssm_state_indices [N], in place), over a grid of (V / BV) x N x HV programs
     fused_recurrent_kda_fwd_kernel[(-(-V // bv) * B * HV,)](**args, num_warps=nw, num_stages=2)
