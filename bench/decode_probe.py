@@ -540,8 +540,10 @@ def part_router() -> dict:
 
 def part_mla() -> dict:
     """The paged MLA decode kernel (ops/mla_decode.py) at kimi-linear-1.5b's shape (16 heads, latent 512 + 64, bf16
-    pages of 64 tokens, a row's 640 tokens in a 16-page table bucket) over its key splits and key blocks, each timed
-    as a CUDA graph of 4 calls over 4 layers' pages (as the step's 4 MLA layers)."""
+    pages of 64 tokens, a row's 640 tokens in a 16-page table bucket) over its key splits and key blocks at the
+    module's warps and stages, then the warps and stages of the default and the best pair, each timed as a CUDA
+    graph of 4 calls over 4 layers' pages (as the step's 4 MLA layers)."""
+    from openk3.ops import mla_decode
     from openk3.ops.mla_decode import paged_latent_attention, split_keys, BLOCK_M
 
     out = {}
@@ -553,16 +555,28 @@ def part_mla() -> dict:
         q = torch.randn(B, H, r + rope, device="cuda", dtype=torch.bfloat16)
         it = iter(range(10 ** 9))
         ref = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H)
-        row = {"default_splits": split_keys(B, -(-H // BLOCK_M), P * page)[0]}
+        default = (split_keys(B, -(-H // BLOCK_M), P * page)[0], mla_decode.BLOCK_N)
+        row = {"default_splits": default[0]}
+
+        def timed_call(splits: int, block_n: int, warps: int, stages: int):
+            kw = dict(splits=splits, block_n=block_n, warps=warps, stages=stages)
+            got = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H, **kw)
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            if err >= 1e-2:
+                return f"err {err:.1e}"
+            return time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible, 0.07, r, H,
+                                                             **kw), 4, 20)
         for block_n in (16, 32, 64):
             for splits in (1, 2, 4, 8, 16, 32, 64):
-                got = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H, splits=splits, block_n=block_n)
-                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-                row[f"n{block_n} s{splits}"] = time_graph(lambda: paged_latent_attention(
-                    q, pools[next(it) % 4], table, visible, 0.07, r, H, splits=splits, block_n=block_n), 4, 20) \
-                    if err < 1e-2 else f"err {err:.1e}"
+                row[f"n{block_n} s{splits}"] = timed_call(splits, block_n, mla_decode.WARPS, mla_decode.STAGES)
         row["default"] = time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible, 0.07, r, H),
                                     4, 20)
+        best_pair = min((v, n) for n, v in row.items() if isinstance(v, float) and n.startswith("n"))[1]
+        pairs = {default, tuple(int(x[1:]) for x in best_pair.split()[::-1])}  # (splits, block_n)
+        for splits, block_n in sorted(pairs):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    row[f"n{block_n} s{splits} w{warps} st{stages}"] = timed_call(splits, block_n, warps, stages)
         best = min((v, n) for n, v in row.items() if isinstance(v, float))
         print(f"  mla B={B}: default {row['default']:.2f} us ({row['default_splits']} splits), best {best[0]:.2f} us "
               f"({best[1]})", flush=True)

@@ -15,7 +15,8 @@ at batch 64 the gather, scores, mask, softmax and p @ c took ~130 us an MLA laye
   query rows ([BLOCK_N, r] and [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online
   softmax (running max and sum in fp32; p = exp(s - max) rounded to the operands' dtype for p @ c, accumulated in
   fp32). With one split it writes o = acc / sum in the operands' dtype; with several, its (acc, max, sum) in fp32.
-- kernel 2, grid (B x T*H query rows): combines the splits, o = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s.
+- kernel 2, grid (B x T*H query rows, R / BLOCK_COMBINE): combines the splits, o = sum_s exp(m_s - m) acc_s /
+  sum_s exp(m_s - m) l_s.
 
 Splitting the keys gives a small batch enough programs (flash-decoding); the split count is a function of the static
 shapes only (B, T*H, P * page_size: `split_keys`), so a captured CUDA graph replays it for any lengths.
@@ -57,14 +58,19 @@ ENV = "OPENK3_MLA_KERNEL"
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# NOTE: not tuned (the whole step was timed on the H200, not this kernel alone). BLOCK_M query rows (kimi-linear-1.5b's 16 heads of a decode step: one
-# block) x BLOCK_N keys a step; tl.dot needs both >= 16. A program holds acc [BLOCK_M, r] fp32 (r = 512: 32 KB).
+# BLOCK_M query rows (kimi-linear-1.5b's 16 heads of a decode step: one block) x BLOCK_N keys a step; tl.dot needs
+# both >= 16. A program holds acc [BLOCK_M, r] fp32 (r = 512: 32 KB). STAGES: the key loop's software pipelining.
+# NOTE: measured on one H200 (bench/decode_probe.py mla: 16 heads, 512 + 64, a row's 640 keys in bf16 pages, 4 layers
+# cycled; fifteenth session): BLOCK_N 16 / 32 / 64 x 1-64 splits at these warps and stages, then 2 / 4 / 8 warps x 1-4
+# stages for the default and the best pair: nothing beat the defaults by more than 4% at batch 1 (7.87 us a call,
+# best 7.58) nor 0.2% at 16 and 64 (19.30 and 43.54 us). At batch 64 that is ~1.1 TB/s of the latents.
 BLOCK_M, BLOCK_N = 16, 32
 WARPS = 4
+STAGES = 3
 # Splits: enough programs to fill a GPU (the H200 has 132 SMs) when B x query blocks alone do not, at most MAX_SPLITS
 # (the combine holds [MAX_SPLITS, BLOCK_COMBINE] fp32 partial outputs in one tile).
 TARGET_PROGRAMS, MAX_SPLITS = 256, 128
-BLOCK_COMBINE = 64
+BLOCK_COMBINE = 64  # the combine: R elements a program (grid B x T*H x R / BLOCK_COMBINE)
 
 
 def paged_supported(device: torch.device | str, dtype: torch.dtype) -> tuple[bool, str]:
@@ -171,7 +177,7 @@ if triton is not None:
                       S: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr,
                       stride_qb, stride_qm, stride_pn, stride_po, stride_tb, stride_ob, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PE: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
         """Row b, query rows m (token t = m // H), keys [split * KEYS, (split + 1) * KEYS): the online softmax of
         the module docstring. T*H query rows, R + PE the latent's width, S = P * PAGE the table's keys.
         The shapes are compile-time constants: fixed per model and bucket, and the key loop's trip count is known.
@@ -193,7 +199,7 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for n0 in range(0, KEYS, BLOCK_N):
+        for n0 in tl.range(0, KEYS, BLOCK_N, num_stages=NUM_STAGES):
             n = split * KEYS + n0 + tl.arange(0, BLOCK_N)
             # NOTE: keys past the row's `visible` are not loaded at all: a masked-out key's latent is multiplied by
             # p = 0 in p @ c, and 0 x NaN (stale bytes in a page past the row's length) would be NaN
@@ -226,9 +232,11 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(part_ptr, ml_ptr, o_ptr, M: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
                         stride_ob, stride_om, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-        """Query row m of row b: o = sum_s exp(m_s - max) acc_s / sum_s exp(m_s - max) l_s, in fp32."""
+        """Query row m of row b, its BLOCK_R elements of o: o = sum_s exp(m_s - max) acc_s / sum_s exp(m_s - max) l_s,
+        in fp32."""
         row = tl.program_id(0).to(tl.int64)  # b * M + m
         b, m = row // M, row % M
+        rc = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         s = tl.arange(0, BLOCK_S)
         s_ok = s < SPLITS
         m_s = tl.load(ml_ptr + (row * SPLITS + s) * 2, mask=s_ok, other=float("-inf"))
@@ -237,23 +245,23 @@ if triton is not None:
         w = tl.exp(m_s - tl.where(top == float("-inf"), 0.0, top))  # a split that saw no key: exp(-inf) = 0
         total = tl.sum(w * l_s, axis=0)
         inv = 1.0 / tl.where(total > 0, total, 1.0)  # a row that saw no key at all: zeros
-        for r0 in range(0, R, BLOCK_R):
-            rc = r0 + tl.arange(0, BLOCK_R)
-            part = tl.load(part_ptr + (row * SPLITS + s)[:, None] * R + rc[None, :],
-                           mask=s_ok[:, None] & (rc < R)[None, :], other=0.0)
-            o = tl.sum(part * w[:, None], axis=0) * inv
-            tl.store(o_ptr + b * stride_ob + m * stride_om + rc, o.to(o_ptr.dtype.element_ty), mask=rc < R)
+        part = tl.load(part_ptr + (row * SPLITS + s)[:, None] * R + rc[None, :],
+                       mask=s_ok[:, None] & (rc < R)[None, :], other=0.0)
+        o = tl.sum(part * w[:, None], axis=0) * inv
+        tl.store(o_ptr + b * stride_ob + m * stride_om + rc, o.to(o_ptr.dtype.element_ty), mask=rc < R)
 
 
 def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible: Tensor, scale: float, r: int,
-                           heads: int, splits: int | None = None, block_n: int = BLOCK_N) -> Tensor:
+                           heads: int, splits: int | None = None, block_n: int = BLOCK_N, warps: int = WARPS,
+                           stages: int = STAGES) -> Tensor:
     """`latent_attention` over a paged cache read in place (module docstring). Forward only.
 
     q_cat: [B, T*H, r + rope] in the operands' dtype (bf16, fp16 or fp32), row t*H + h. pages: [num_pages, page_size,
     r + rope] (one MLA layer of the pool, any of those dtypes: cast to q_cat's as loaded). table: [B, P] integer pages
     of each row (entries past a row's pages: any page, e.g. the zero page). visible: [B] integer, the keys the row's
     last new token sees. heads: H. -> o_lat [B, T*H, r] in q_cat's dtype.
-    splits: key splits (None: `split_keys`), block_n: keys a step (a power of two >= 16); for tests and the bench.
+    splits: key splits (None: `split_keys`), block_n: keys a step (a power of two >= 16), warps and stages (the key
+    loop's pipelining) of the split kernel; for tests and the bench.
     No host sync and no data-dependent shape: it runs inside the captured decode step (serve/static.py)."""
     _check_inputs(q_cat, pages, table, visible, r, heads)
     ok, why = paged_supported(q_cat.device, q_cat.dtype)
@@ -284,8 +292,10 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
         q_cat, pages, table, visible, o_lat, part, ml, float(scale), M // heads, heads, r, C - r, page_size, S, keys, splits,
         q_cat.stride(0), q_cat.stride(1), pages.stride(0), pages.stride(1), table.stride(0), o_lat.stride(0),
         o_lat.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16, num_warps=WARPS)
+        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16, NUM_STAGES=stages, num_warps=warps)
     if splits > 1:
-        _combine_kernel[(B * M,)](part, ml, o_lat, M, r, splits, o_lat.stride(0), o_lat.stride(1),
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_R=BLOCK_COMBINE)
+        block_r = min(BLOCK_COMBINE, triton.next_power_of_2(r))
+        _combine_kernel[(B * M, triton.cdiv(r, block_r))](part, ml, o_lat, M, r, splits, o_lat.stride(0),
+                                                          o_lat.stride(1), BLOCK_S=triton.next_power_of_2(splits),
+                                                          BLOCK_R=block_r)
     return o_lat

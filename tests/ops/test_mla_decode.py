@@ -124,6 +124,20 @@ def test_interpreted_kernel_matches_the_reference(case, splits, dtype):
 
 
 @interpreted_only
+@pytest.mark.parametrize("warps, stages", [(2, 1), (4, 2), (8, 3)])
+def test_interpreted_a_latent_wider_than_a_combine_tile(warps, stages):
+    """r = 80 > BLOCK_COMBINE = 64: the combine's second program of a query row takes the masked rest; the split
+    kernel's warps and its key loop's stages do not change the result."""
+    B, T, H, r, rope = 2, 1, 2, 80, 8
+    q, pages, table, visible = random_paged(B, T, H, r, rope, 4, 8, [21, 6], torch.float32, seed=11)
+    got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=3, block_n=16, warps=warps,
+                                 stages=stages)
+    want = paged_latent_attention_reference(q, pages.nan_to_num(0.0), table, visible, 0.3, r, H)
+    assert torch.isfinite(got).all() and rel_norm_err(got, want) < TOLERANCE[torch.float32]
+    assert rel_norm_err(got[:, :, 64:], want[:, :, 64:]) < TOLERANCE[torch.float32]  # the second combine tile
+
+
+@interpreted_only
 def test_interpreted_strided_table_and_visible():
     """A page table and `visible` that are views (every other column of a wider buffer): read as the tensors say."""
     q, pages, table, visible = random_paged(3, 1, 2, 16, 8, 4, 4, [5, 9, 2], torch.float32, seed=7)
