@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import openk3  # noqa: E402
 from openk3.config import get_config  # noqa: E402
 from openk3.model import K3ForCausalLM, count_params  # noqa: E402
 from openk3.ops import select_kda_backend  # noqa: E402
@@ -49,7 +50,10 @@ def cpu_name() -> str:
 def hardware(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_name(),
             "cpu_cores": os.cpu_count(), "cpu_threads_used": torch.get_num_threads(),
-            "kda_backend": str(select_kda_backend(device))}
+            "kda_backend": str(select_kda_backend(device)),
+            # which checkout ran: a copy of another version first on PYTHONPATH is shadowed by this script's own
+            # (sys.path above; docs/engine.md, fifteenth session)
+            "openk3": str(Path(openk3.__file__).resolve().parent)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
