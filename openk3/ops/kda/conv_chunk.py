@@ -14,9 +14,9 @@ contiguous q, k, v [B, T, H, K]:
 where x[b, t - s] for t - s < 0 is the conv tail's (`tail`, the W-1 inputs before the chunk; zero without one),
 promoted to fp32 as stored. One program a (token block, q/k/v channel block, row). The tail is only read: the caller
 writes the new one (`KimiDeltaAttention.conv_tail`), so no program races another. Training keeps fla's kernel (it
-has the backward). Checked against `causal_conv_silu` in the interpreter (tests/ops/test_conv_chunk.py) and compiled
-for sm90; its GPU tests there have not run yet (the fourteenth session got no GPU after writing it). Triton is
-optional; without it `conv_chunk_applies` is False.
+has the backward). Checked against `causal_conv_silu` in the interpreter and on the H200 (tests/ops/test_conv_chunk.py;
+fifteenth session: a 64K-token prompt in 0.650 s against 0.683 s with fla's conv and its copies, one run each,
+docs/engine.md). Triton is optional; without it `conv_chunk_applies` is False.
 """
 
 from __future__ import annotations
