@@ -63,7 +63,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # NOTE: measured on one H200 (bench/decode_probe.py mla: 16 heads, 512 + 64, a row's 640 keys in bf16 pages, 4 layers
 # cycled; fifteenth session): BLOCK_N 16 / 32 / 64 x 1-64 splits at these warps and stages, then 2 / 4 / 8 warps x 1-4
 # stages for the default and the best pair: nothing beat the defaults by more than 4% at batch 1 (7.87 us a call,
-# best 7.58) nor 0.2% at 16 and 64 (19.30 and 43.54 us). At batch 64 that is ~1.1 TB/s of the latents.
+# best 7.58; the default's settings timed 7.77-8.39 in the same sweep) nor 0.3% at 16 and 64 (19.30 and 43.54 us).
+# At batch 64 that is ~1.1 TB/s of the latents.
 BLOCK_M, BLOCK_N = 16, 32
 WARPS = 4
 STAGES = 3
@@ -289,10 +290,12 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
     else:
         part = ml = o_lat  # not written
     _split_kernel[(B, query_blocks, splits)](
-        q_cat, pages, table, visible, o_lat, part, ml, float(scale), M // heads, heads, r, C - r, page_size, S, keys, splits,
+        q_cat, pages, table, visible, o_lat, part, ml, float(scale), M // heads, heads, r, C - r, page_size, S, keys,
+        splits,
         q_cat.stride(0), q_cat.stride(1), pages.stride(0), pages.stride(1), table.stride(0), o_lat.stride(0),
         o_lat.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16, NUM_STAGES=stages, num_warps=warps)
+        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16,
+        NUM_STAGES=stages, num_warps=warps)
     if splits > 1:
         block_r = min(BLOCK_COMBINE, triton.next_power_of_2(r))
         _combine_kernel[(B * M, triton.cdiv(r, block_r))](part, ml, o_lat, M, r, splits, o_lat.stride(0),

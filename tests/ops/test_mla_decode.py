@@ -127,7 +127,8 @@ def test_interpreted_kernel_matches_the_reference(case, splits, dtype):
 @pytest.mark.parametrize("warps, stages", [(2, 1), (4, 2), (8, 3)])
 def test_interpreted_a_latent_wider_than_a_combine_tile(warps, stages):
     """r = 80 > BLOCK_COMBINE = 64: the combine's second program of a query row takes the masked rest; the split
-    kernel's warps and its key loop's stages do not change the result."""
+    kernel's warps and stages are passed through (the interpreter ignores both: this checks the arguments, the GPU
+    test the kernel at its defaults)."""
     B, T, H, r, rope = 2, 1, 2, 80, 8
     q, pages, table, visible = random_paged(B, T, H, r, rope, 4, 8, [21, 6], torch.float32, seed=11)
     got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=3, block_n=16, warps=warps,
