@@ -12,24 +12,34 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
   the number of slots j with (e_j, j) < (e_s, s), and the end row of expert e the number with e_j <= e. Writes
   order_S (row -> slot), row_S (slot -> row) and offs_E (end rows). O(S^2) comparisons, nothing at these sizes
   (S = 1024: a million, spread over 17 programs). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
-- kernel 1 (gate/up), grid (E, F tiles): program (e, f) walks expert e's rows in chunks of BLOCK_M (a loop whose
-  bound is read from offs_E: a group larger than BLOCK_M loops, an empty one exits), gathers the x rows of their
-  tokens (slot // K), computes gate and up tiles with tl.dot over D in fp32, and `glu_rounded` (moe_gemv.py: the
-  GEMV kernel's activation and roundings) stores h [S, F] in x's dtype, one row per slot in expert order.
-- kernel 2 (down), grid (E, D tiles): out[row, d] = h[row, :] . w2[e, d, :] in fp32, rounded to x's dtype.
+- kernel 1 (gate/up), grid (chunks, F tiles): program (p, f) takes one chunk of BLOCK_M rows of one expert's group
+  (the groups' chunks in expert order; each program finds its own from offs_E, E loads and a prefix sum; a grid of
+  S // BLOCK_M + min(E, S) chunks bounds them all, so it is static, and the programs past the last chunk exit),
+  gathers the x rows of their tokens (slot // K), computes gate and up tiles with tl.dot over D in fp32, and
+  `glu_rounded` (moe_gemv.py: the GEMV kernel's activation and roundings) stores h [S, F] in x's dtype, one row
+  per slot in expert order.
+- kernel 2 (down), grid (chunks, D tiles): out[row, d] = h[row, :] . w2[e, d, :] in fp32, rounded to x's dtype.
 - `combine_rows` (moe_gemv.py): y[t] = sum_k topk_w[t, k] * out[row of slot t*K + k] in fp32, k in order, cast
   (the weights rounded to x's dtype first, as Experts.forward gives them).
 
-So every expert's weights are read once per layer (a program's F or D tile of them; a second chunk of BLOCK_M rows
-re-reads its tile from L2), at the precision of openk3/ops/moe.py's docstring: `moe_experts_by_expert` has
-`moe_experts_loop`'s signature and result (tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no
-data-dependent shapes, so it can be captured in the decode step's CUDA graph.
+So every expert's weights are read once per layer (a program's F or D tile of them; a group of more than BLOCK_M
+rows has each tile read by as many programs at once, the later ones mostly from L2), at the precision of
+openk3/ops/moe.py's docstring: `moe_experts_by_expert` has `moe_experts_loop`'s signature and result
+(tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no data-dependent shapes, so it can be captured
+in the decode step's CUDA graph.
 NOTE: two launches instead of four were tried and measured in the twelfth session (the same engine run on one
 H200, decode steps at batch 16 / 64): each program finding its expert's slots by scanning the ids (no ordering
 kernel) and the down kernel's last program per D tile combining (a ticket, as ops/router_topk.py): 1.77 / 2.59 ms a
 step against these four launches' 1.75 / 2.50 (the scan's latency comes before every program's first load); the
 ordering kernel kept and only the combine moved into the down kernel: 1.75 / 2.51 (its end-to-end lead in that
 run, 1-2.5%, was all in the prefill, which these kernels do not run: docs/engine.md). Neither was kept.
+NOTE: until the sixteenth session a program took a whole group, looping over its chunks. The random model's router
+is skewed (its busiest expert takes up to 11.9% of the slots, 3.8x an even share), so at batch 64 a few groups
+of 17-30 rows made their programs loop twice: the gate/up kernel took 34.9-42.2 us a layer (15 layers 584 us of a
+step, `decode_probe.py timeline:64`, H200). A program per chunk: 30.9-36.0 us (512 us), and the engine's decode
+step at batch 64 2.31-2.35 ms against 2.42-2.43 (the session start's code from a copy, two runs each, one machine;
+batch 16 unchanged at 1.65-1.66). BLOCK_M_MIN 32 instead (one chunk for groups up to 32 rows) was slower: 2.41 ms
+against 2.35.
 `openk3.ops.moe_experts` sends a call here when `by_expert_applies` and the GEMV kernels do not take it.
 
 The crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) come from bench/moe_gemv.py on an H200 (see
@@ -116,16 +126,27 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
-    def _group(offs_ptr, e, E, S, T, BLOCK_M: tl.constexpr):
-        """Program e's rows: start, end. Expert e < E: its group (offs holds every group's end); e >= E: the
-        shared expert's (e - E)-th chunk of BLOCK_M of the T rows S ... S + T - 1 (token t's at row S + t)."""
-        if e < E:
-            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-            end = tl.load(offs_ptr + e)
+    def _chunk(offs_ptr, p, E, S, T, R, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Program p's expert and rows: (e, start, end). Programs p < R take the routed groups' chunks of BLOCK_M rows
+        in expert order (offs holds every group's end; a group of n rows is cdiv(n, BLOCK_M) chunks), one chunk
+        each; those past the last chunk get start = end (nothing to do). Programs p >= R take the shared expert's
+        (p - R)-th chunk of BLOCK_M of the T rows S ... S + T - 1 (token t's at row S + t), as expert e = E."""
+        if p < R:
+            es = tl.arange(0, BLOCK_E)
+            valid = es < E
+            ends = tl.load(offs_ptr + es, mask=valid, other=0)
+            starts = tl.load(offs_ptr + es - 1, mask=valid & (es > 0), other=0)
+            chunks = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+            before = tl.cumsum(chunks, 0) - chunks  # chunks of the experts ahead of each
+            mine = valid & (before <= p) & (p < before + chunks)  # at most one expert's chunk range holds p
+            e = tl.sum(tl.where(mine, es, 0), 0)
+            start = tl.sum(tl.where(mine, starts + (p - before) * BLOCK_M, 0), 0)
+            end = tl.minimum(start + BLOCK_M, tl.sum(tl.where(mine, ends, 0), 0))
         else:
-            start = S + (e - E) * BLOCK_M
+            e = E
+            start = S + (p - R) * BLOCK_M
             end = tl.minimum(start + BLOCK_M, S + T)
-        return start, end
+        return e, start, end
 
     @triton.jit
     def _tokens(order_ptr, rows, m_mask, S, K: tl.constexpr):
@@ -135,17 +156,17 @@ if triton is not None:
         return tl.where(routed, slot // K, rows - S).to(tl.int64)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w1_ptr, w3_ptr, w1s_ptr, w3s_ptr, h_ptr, E, S, T,
+    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w1_ptr, w3_ptr, w1s_ptr, w3s_ptr, h_ptr, E, S, T, R,
                         F: tl.constexpr, D: tl.constexpr, K: tl.constexpr, stride_xt, stride_xd, stride_we,
                         stride_wf, stride_wd, SITU: tl.constexpr, beta, linear_beta, PRECISION: tl.constexpr,
-                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-        """h[r, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for every row r of expert e, t its token;
-        programs e >= E (when the grid has them) the shared expert's rows through w1s, w3s.
+                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+        """h[r, f] = act(round(x_t . w1[e, f]), round(x_t . w3[e, f])) for the rows r of program (p, f)'s chunk
+        (`_chunk`), e their expert, t a row's token; the shared expert's chunks through w1s, w3s.
         F, D, K compile-time constants as in moe_gemv.py's kernels (one compile per layer shape)."""
-        e = tl.program_id(0)
+        e, start, end = _chunk(offs_ptr, tl.program_id(0), E, S, T, R, BLOCK_M, BLOCK_E)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_mask = f < F
-        start, end = _group(offs_ptr, e, E, S, T, BLOCK_M)
         # int64: e * E*F*D overflows int32 at the release's sizes
         if e < E:
             w1_at = w1_ptr + e.to(tl.int64) * stride_we
@@ -174,15 +195,14 @@ if triton is not None:
             tl.store(h_ptr + rows[:, None].to(tl.int64) * F + f[None, :], h, mask=m_mask[:, None] & f_mask[None, :])
 
     @triton.jit
-    def _down_kernel(h_ptr, offs_ptr, w2_ptr, w2s_ptr, out_ptr, E, S, T, F: tl.constexpr, D: tl.constexpr,
+    def _down_kernel(h_ptr, offs_ptr, w2_ptr, w2s_ptr, out_ptr, E, S, T, R, F: tl.constexpr, D: tl.constexpr,
                      stride_we, stride_wd, stride_wf, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-        """out[r, d] = round(h[r] . w2[e, d]) for every row r of expert e: the expert's output in x's dtype;
-        programs e >= E the shared expert's rows through w2s."""
-        e = tl.program_id(0)
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+        """out[r, d] = round(h[r] . w2[e, d]) for the rows r of program (p, d)'s chunk, e their expert: the
+        expert's output in x's dtype; the shared expert's chunks through w2s."""
+        e, start, end = _chunk(offs_ptr, tl.program_id(0), E, S, T, R, BLOCK_M, BLOCK_E)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = d < D
-        start, end = _group(offs_ptr, e, E, S, T, BLOCK_M)
         if e < E:
             w2_at = w2_ptr + e.to(tl.int64) * stride_we
         else:
@@ -266,16 +286,21 @@ def moe_experts_by_expert(
     precision = "ieee" if x_TD.dtype == torch.float32 or upcast else "tf32"
     w1s, w2s, w3s = check_shared(shared, w1_EFD, x_TD) if shared is not None else (w1_EFD, w2_EDF, w3_EFD)
     order_S, row_S, offs_E = expert_rows(topk_idx_TK, E)
-    # the shared expert's rows S ... S + T - 1 after the routed ones, in chunks of BLOCK_M rows, one program each
+    # one program per chunk of BLOCK_M rows of a group (at most S // BLOCK_M + min(E, S) of them, and no more than
+    # S), then the shared expert's rows S ... S + T - 1 after the routed ones, in chunks of BLOCK_M rows
+    routed = min(S, S // block_rows + min(E, S))
     rows = S + (T if shared is not None else 0)
-    programs = E + (triton.cdiv(T, block_rows) if shared is not None else 0)
+    programs = routed + (triton.cdiv(T, block_rows) if shared is not None else 0)
+    block_e = triton.next_power_of_2(E)
     h_SF = torch.empty((rows, F), dtype=x_TD.dtype, device=x_TD.device)
     out_SD = torch.empty((rows, D), dtype=x_TD.dtype, device=x_TD.device)
     _gate_up_kernel[(programs, triton.cdiv(F, block_f))](
-        x_TD, order_S, offs_E, w1_EFD, w3_EFD, w1s, w3s, h_SF, E, S, T, F, D, K, *x_TD.stride(), *w1_EFD.stride(),
-        SITU=spec.kind == "situ", beta=float(spec.beta), linear_beta=float(spec.linear_beta), PRECISION=precision,
-        UPCAST=upcast, BLOCK_M=block_rows, BLOCK_F=block_f, BLOCK_D=block_d1, num_warps=warps1, num_stages=stages1)
+        x_TD, order_S, offs_E, w1_EFD, w3_EFD, w1s, w3s, h_SF, E, S, T, routed, F, D, K, *x_TD.stride(),
+        *w1_EFD.stride(), SITU=spec.kind == "situ", beta=float(spec.beta), linear_beta=float(spec.linear_beta),
+        PRECISION=precision, UPCAST=upcast, BLOCK_M=block_rows, BLOCK_E=block_e, BLOCK_F=block_f, BLOCK_D=block_d1,
+        num_warps=warps1, num_stages=stages1)
     _down_kernel[(programs, triton.cdiv(D, block_d))](
-        h_SF, offs_E, w2_EDF, w2s, out_SD, E, S, T, F, D, *w2_EDF.stride(), PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=block_rows, BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2, num_stages=stages2)
+        h_SF, offs_E, w2_EDF, w2s, out_SD, E, S, T, routed, F, D, *w2_EDF.stride(), PRECISION=precision,
+        UPCAST=upcast, BLOCK_M=block_rows, BLOCK_E=block_e, BLOCK_D=block_d, BLOCK_F=block_f2, num_warps=warps2,
+        num_stages=stages2)
     return combine_rows(out_SD, row_S, topk_w_TK, shared=shared is not None)

@@ -63,6 +63,27 @@ def test_interpreted_by_expert_one_expert_takes_every_slot(K, dtype):
 
 
 @interpreted_only
+@pytest.mark.parametrize("shared", [False, True])
+def test_interpreted_by_expert_fills_a_grid_of_as_many_chunks_as_it_bounds(shared):
+    """Groups of 17, 1, 1, 1 and 33 rows in chunks of 16: 2 + 1 + 1 + 1 + 3 = 8 chunks, exactly the grid's bound for
+    the routed rows (S // BLOCK_M + min(E, S) = 3 + 5 = 8 programs, no spare one), each a program of its own; with a
+    shared expert its 53 rows follow in 4 more programs. A chunk mapped to the wrong rows or left out fails."""
+    x, _, w, w1, w2, w3 = random_moe(53, 48, 40, 5, 1, torch.float32, seed=7)
+    order = torch.randperm(53, generator=torch.Generator().manual_seed(3))
+    idx = torch.tensor([0] * 17 + [1] + [2] + [3] + [4] * 33)[order]
+    inputs = (x, idx[:, None], w, w1, w2, w3)
+    with torch.no_grad():
+        if shared:
+            (s1, s2, s3), one_idx, one_w = shared_expert(53, 48, 40, torch.float32, seed=8)
+            y = moe_experts_by_expert(*inputs, situ_k3, blocks=(16, 16, 16, 16, 16), shared=(s1[0], s2[0], s3[0]))
+            reference = moe_experts_loop(*inputs, situ_k3) + moe_experts_loop(x, one_idx, one_w, s1, s2, s3, situ_k3)
+        else:
+            y = moe_experts_by_expert(*inputs, situ_k3, blocks=(16, 16, 16, 16, 16))
+            reference = moe_experts_loop(*inputs, situ_k3)
+    assert rel_norm_err(y, reference) < TOLERANCE[torch.float32]
+
+
+@interpreted_only
 @pytest.mark.parametrize("T, K, E, block_m", [(5, 4, 4, None), (23, 2, 6, None), (37, 3, 5, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_interpreted_by_expert_with_a_shared_expert(T, K, E, block_m, dtype):
@@ -211,7 +232,8 @@ def test_kernels_compile_for_sm90_pipelined_without_spills(block_m, act):
                                      "out_ptr")},
              "order_ptr": "*i32", "offs_ptr": "*i32", "idx_ptr": "*i64", "row_ptr": "*i32",
              "beta": "fp32", "linear_beta": "fp32"}
-    common = {"F": s["F"], "D": s["D"], "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": block_m}
+    common = {"F": s["F"], "D": s["D"], "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": block_m,
+              "BLOCK_E": s["E"]}
     ttgir = []
     gate_up = compile_for_sm90(moe_by_expert._gate_up_kernel, types,
                                {**common, "K": s["K"], "SITU": act == "situ", "stride_xd": 1, "stride_wd": 1,
