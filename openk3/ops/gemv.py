@@ -43,6 +43,13 @@ INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 # 7.90, shared gate_up 4.52 vs 10.44, shared down 2.04 vs 3.47, f_b 1.86 vs 2.44, dense down 6.84 vs 7.64) and lost
 # on the larger ones (KDA's stacked input projection, 9.9M: 10.10 vs 8.46; dense gate_up 12.6M: 12.17 vs 8.77;
 # lm_head 49M: 35.21 vs 26.63), where cuBLAS reads at 2.3-3.7 TB/s. At 2 and 4 rows it won less often and by less.
+# NOTE: a second kernel for 2-64 rows was tried and not kept (sixteenth session, decode_probe.py linear, JSON in
+# bench/results/decode_probe/sixteenth/): tl.dot tiles of [rows, 32 columns] with K split over 2-8 programs and the
+# column tile's last program (a ticket) adding the fp32 partials. Against cuBLAS at 2 / 16 / 64 rows, us a call:
+# KDA o_proj 5.66 / 5.97 / 8.71 against 7.93 / 5.99 / 6.22 (its best tiles at 64 rows 7.75), shared gate_up
+# 4.79 / 4.93 / 7.34 against 10.36 / 5.21 / 5.17, KDA input projection 9.71 / 9.75 / 10.49 against 8.37 / 8.45 /
+# 8.57; the engine's batch-64 decode step took 2.38-2.39 ms with it against 2.29-2.30 without. It won only at a
+# few rows and on some shapes.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_WEIGHT = 2 ** 23  # elements: above it cuBLAS
 TILE = 2048  # weight elements a program reads per step (BLOCK_N x BLOCK_K): the best tiles of the probe
