@@ -47,9 +47,11 @@ INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 # bench/results/decode_probe/sixteenth/): tl.dot tiles of [rows, 32 columns] with K split over 2-8 programs and the
 # column tile's last program (a ticket) adding the fp32 partials. Against cuBLAS at 2 / 16 / 64 rows, us a call:
 # KDA o_proj 5.66 / 5.97 / 8.71 against 7.93 / 5.99 / 6.22 (its best tiles at 64 rows 7.75), shared gate_up
-# 4.79 / 4.93 / 7.34 against 10.36 / 5.21 / 5.17, KDA input projection 9.71 / 9.75 / 10.49 against 8.37 / 8.45 /
-# 8.57; the engine's batch-64 decode step took 2.38-2.39 ms with it against 2.29-2.30 without. It won only at a
-# few rows and on some shapes.
+# 4.79 / 4.93 / 7.34 against 10.36 / 5.21 / 5.17, dense down 6.90 / 6.97 / 10.22 against 8.37 / 8.58 / 9.24, KDA
+# input projection 9.71 / 9.75 / 10.49 against 8.37 / 8.45 / 8.57. In the engine, on every bf16 Linear of 2-64 rows,
+# the batch-64 decode step took 2.38-2.39 ms with it against 2.29-2.30 without; batch 4 and 16 ran 2-3.5% faster
+# (one run without it; runs of one code spread 1.9% at batch 16). A cap at 16 rows and on the shapes it won was not
+# tried.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_WEIGHT = 2 ** 23  # elements: above it cuBLAS
 TILE = 2048  # weight elements a program reads per step (BLOCK_N x BLOCK_K): the best tiles of the probe

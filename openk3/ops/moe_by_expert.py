@@ -14,7 +14,8 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
   (S = 1024: a million, spread over 17 programs). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
 - kernel 1 (gate/up), grid (chunks, F tiles): program (p, f) takes one chunk of BLOCK_M rows of one expert's group
   (the groups' chunks in expert order; each program finds its own from offs_E, E loads and a prefix sum; a grid of
-  S // BLOCK_M + min(E, S) chunks bounds them all, so it is static, and the programs past the last chunk exit),
+  `chunk_programs` = min(S, S // BLOCK_M + min(E, S)) bounds them all, so it is static, and the programs past the
+  last chunk exit),
   gathers the x rows of their tokens (slot // K), computes gate and up tiles with tl.dot over D in fp32, and
   `glu_rounded` (moe_gemv.py: the GEMV kernel's activation and roundings) stores h [S, F] in x's dtype, one row
   per slot in expert order.
@@ -22,8 +23,9 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
 - `combine_rows` (moe_gemv.py): y[t] = sum_k topk_w[t, k] * out[row of slot t*K + k] in fp32, k in order, cast
   (the weights rounded to x's dtype first, as Experts.forward gives them).
 
-So every expert's weights are read once per layer (a program's F or D tile of them; a group of more than BLOCK_M
-rows has each tile read by as many programs at once, the later ones mostly from L2), at the precision of
+So every expert's weights are read from memory once per layer (a program's F or D tile of them; a group of more
+than BLOCK_M rows has each tile read by as many programs as it has chunks, from L2 when they run together: not
+measured), at the precision of
 openk3/ops/moe.py's docstring: `moe_experts_by_expert` has `moe_experts_loop`'s signature and result
 (tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no data-dependent shapes, so it can be captured
 in the decode step's CUDA graph.
@@ -34,12 +36,14 @@ step against these four launches' 1.75 / 2.50 (the scan's latency comes before e
 ordering kernel kept and only the combine moved into the down kernel: 1.75 / 2.51 (its end-to-end lead in that
 run, 1-2.5%, was all in the prefill, which these kernels do not run: docs/engine.md). Neither was kept.
 NOTE: until the sixteenth session a program took a whole group, looping over its chunks. The random model's router
-is skewed (its busiest expert takes up to 11.9% of the slots, 3.8x an even share), so at batch 64 a few groups
-of 17-30 rows made their programs loop twice: the gate/up kernel took 34.9-42.2 us a layer (15 layers 584 us of a
-step, `decode_probe.py timeline:64`, H200). A program per chunk: 30.9-36.0 us (512 us), and the engine's decode
-step at batch 64 2.31-2.35 ms against 2.42-2.43 (the session start's code from a copy, two runs each, one machine;
-batch 16 unchanged at 1.65-1.66). BLOCK_M_MIN 32 instead (one chunk for groups up to 32 rows) was slower: 2.41 ms
-against 2.35.
+is skewed (its busiest expert takes up to 11.9% of the slots, 3.8x an even share), so at batch 64 a few groups of
+more than 16 rows (up to ~30) made their programs loop twice: the gate/up kernel took 34.9-42.2 us a layer (15
+layers 584 us of a step; `decode_probe.py timeline:64`, H200, fifteenth session). A program per chunk: 30.9-36.0 us
+(512 us; the same probe, sixteenth session, another machine), and the engine's decode step at batch 64 2.31-2.35 ms
+against 2.42-2.43 (`vs_transformers_decode.py --prefill-chunk 32768`, the session start's code from a copy, two
+runs each, one machine; batch 16 unchanged at 1.65-1.66). BLOCK_M_MIN 32 instead (one chunk for groups up to 32
+rows) was slower: 2.41 ms a step against 2.35 (`--prefill-chunk 8192`, where the last steps of a run have fewer
+rows, so its ms a step read lower than at 32768's).
 `openk3.ops.moe_experts` sends a call here when `by_expert_applies` and the GEMV kernels do not take it.
 
 The crossovers (GEMV_MAX_SLOTS below, BY_EXPERT_MAX_SLOTS above) come from bench/moe_gemv.py on an H200 (see
@@ -68,10 +72,12 @@ if triton is not None:
 BY_EXPERT_MAX_SLOTS = 1024
 
 # Tile sizes (powers of two, tl.dot needs 16 or more; a tile is capped at its dimension rounded up to a power of
-# two): E x F / BLOCK_F = 512 programs in kernel 1 and E x D / BLOCK_D = 768 in kernel 2 at kimi-linear-1.5b's
-# shapes. Measured on one H200 (bench/moe_gemv.py --tokens 16 64 8 --layers 15 --by-expert-blocks ..., twelfth
-# session): at S = 32 / 64 / 256 these took 33.6 / 44.9 / 49.2 us a call (3.1-3.2 TB/s of the experts' weights at
-# S >= 64), and the best of 14 other tile and warp sets 33.2 / 44.2 / 49.0: within 2%.
+# two): at kimi-linear-1.5b's shapes and S = 256, 48 chunk programs x F / BLOCK_F = 768 programs in kernel 1 and
+# 48 x D / BLOCK_D = 1,152 in kernel 2 (before the sixteenth session's chunk grid: E x 16 = 512 and E x 24 = 768).
+# Measured with that earlier grid on one H200 (bench/moe_gemv.py --tokens 16 64 8 --layers 15 --by-expert-blocks
+# ..., twelfth session): at S = 32 / 64 / 256 these took 33.6 / 44.9 / 49.2 us a call (3.1-3.2 TB/s of the experts'
+# weights at S >= 64), and the best of 14 other tile and warp sets 33.2 / 44.2 / 49.0: within 2%. Not swept again
+# with the chunk grid, nor BY_EXPERT_MAX_SLOTS above.
 BLOCK_F, BLOCK_D1 = 32, 128  # kernel 1: F rows of w1/w3 x D per step
 BLOCK_D, BLOCK_F2 = 64, 128  # kernel 2: D rows of w2 x F per step
 WARPS = (4, 4)
@@ -94,6 +100,14 @@ def by_expert_applies(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_E
 def block_m(S: int, E: int) -> int:
     """Rows per chunk for S slots over E experts (BLOCK_M_MIN, BLOCK_M_MAX)."""
     return min(BLOCK_M_MAX, max(BLOCK_M_MIN, triton.next_power_of_2(triton.cdiv(S, E))))
+
+
+def chunk_programs(S: int, E: int, block_rows: int) -> int:
+    """The kernels' programs for the routed rows (`_chunk`): at least the chunks of block_rows rows that any routing
+    of S slots over E experts makes. A group of n > 0 rows is ceil(n / block_rows) <= n // block_rows + 1 chunks, and
+    at most min(E, S) groups are not empty, so the chunks are at most S // block_rows + min(E, S); each holds a row,
+    so at most S."""
+    return min(S, S // block_rows + min(E, S))
 
 
 if triton is not None:
@@ -176,7 +190,7 @@ if triton is not None:
             w3_at = w3s_ptr
         w_cols = f[None, :].to(tl.int64) * stride_wf  # [1, BLOCK_F]: w1[e].T's columns
         dtype = h_ptr.dtype.element_ty
-        for m0 in range(start, end, BLOCK_M):
+        for m0 in range(start, end, BLOCK_M):  # one pass (a chunk), or none
             rows = m0 + tl.arange(0, BLOCK_M)
             m_mask = rows < end
             token = _tokens(order_ptr, rows, m_mask, S, K)
@@ -208,7 +222,7 @@ if triton is not None:
         else:
             w2_at = w2s_ptr
         w_cols = d[None, :].to(tl.int64) * stride_wd  # [1, BLOCK_D]: w2[e].T's columns
-        for m0 in range(start, end, BLOCK_M):
+        for m0 in range(start, end, BLOCK_M):  # one pass (a chunk), or none
             rows = m0 + tl.arange(0, BLOCK_M)
             m_mask = rows < end
             h_rows = rows[:, None].to(tl.int64) * F
@@ -286,9 +300,9 @@ def moe_experts_by_expert(
     precision = "ieee" if x_TD.dtype == torch.float32 or upcast else "tf32"
     w1s, w2s, w3s = check_shared(shared, w1_EFD, x_TD) if shared is not None else (w1_EFD, w2_EDF, w3_EFD)
     order_S, row_S, offs_E = expert_rows(topk_idx_TK, E)
-    # one program per chunk of BLOCK_M rows of a group (at most S // BLOCK_M + min(E, S) of them, and no more than
-    # S), then the shared expert's rows S ... S + T - 1 after the routed ones, in chunks of BLOCK_M rows
-    routed = min(S, S // block_rows + min(E, S))
+    # one program per chunk of BLOCK_M rows of a group, then the shared expert's rows S ... S + T - 1 after the
+    # routed ones, in chunks of BLOCK_M rows
+    routed = chunk_programs(S, E, block_rows)
     rows = S + (T if shared is not None else 0)
     programs = routed + (triton.cdiv(T, block_rows) if shared is not None else 0)
     block_e = triton.next_power_of_2(E)

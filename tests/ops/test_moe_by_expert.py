@@ -63,6 +63,55 @@ def test_interpreted_by_expert_one_expert_takes_every_slot(K, dtype):
 
 
 @interpreted_only
+def test_interpreted_chunks_cover_every_row_once():
+    """`_chunk` through a probe kernel, over hand-picked and random group sizes (empty groups, exact multiples of
+    BLOCK_M, one group taking every slot, E not a power of two, E > S) and shared rows: every routed program's rows lie
+    in its expert's group, no chunk is longer than BLOCK_M, the programs past the last chunk get no rows, the shared
+    programs the shared rows, and every row is some program's exactly once."""
+    import itertools
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(offs_ptr, out_ptr, E, S, T, R, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        p = tl.program_id(0)
+        e, start, end = moe_by_expert._chunk(offs_ptr, p, E, S, T, R, BLOCK_M, BLOCK_E)
+        tl.store(out_ptr + 3 * p, e)
+        tl.store(out_ptr + 3 * p + 1, start)
+        tl.store(out_ptr + 3 * p + 2, end)
+
+    rng = torch.Generator().manual_seed(0)
+    cases = [([17, 1, 1, 1, 33], 16, 0), ([0, 0, 5], 16, 5), ([64, 0, 16, 15], 16, 40), ([1] * 7, 16, 1),
+             ([100], 32, 0), ([0, 3, 0, 0, 0, 0, 0, 0, 0, 0], 16, 3)]
+    for E, B in [(3, 16), (5, 32), (32, 16), (33, 64)]:
+        for S in (1, 40, 256):
+            ids = torch.randint(0, E, (S,), generator=rng)
+            ids[: S // 2] = ids[0]  # skewed: half the slots on one expert
+            cases.append((torch.bincount(ids, minlength=E).tolist(), B, S % 7))
+    for sizes, B, T in cases:
+        E, S = len(sizes), sum(sizes)
+        R = moe_by_expert.chunk_programs(S, E, B)
+        programs = R + -(-T // B)
+        offs = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32)
+        out = torch.full((programs, 3), -1, dtype=torch.int32)
+        probe[(programs,)](offs, out, E, S, T, R, BLOCK_M=B, BLOCK_E=triton.next_power_of_2(E))
+        chunks = sum(-(-n // B) for n in sizes)
+        assert chunks <= R
+        seen = torch.zeros(S + T, dtype=torch.int32)
+        for p, (e, start, end) in enumerate(out.tolist()):
+            assert end - start <= B, (sizes, p)
+            if p >= R:  # the shared expert's
+                assert e == E and S <= start < end <= S + T, (sizes, p)
+            elif p >= chunks:
+                assert start == end, (sizes, p)
+            else:
+                assert 0 <= e < E and offs[e] - sizes[e] <= start < end <= offs[e], (sizes, p)
+            seen[start:end] += 1
+        assert torch.equal(seen, torch.ones_like(seen)), sizes
+
+
+@interpreted_only
 @pytest.mark.parametrize("shared", [False, True])
 def test_interpreted_by_expert_fills_a_grid_of_as_many_chunks_as_it_bounds(shared):
     """Groups of 17, 1, 1, 1 and 33 rows in chunks of 16: 2 + 1 + 1 + 1 + 3 = 8 chunks, exactly the grid's bound for
@@ -233,7 +282,7 @@ def test_kernels_compile_for_sm90_pipelined_without_spills(block_m, act):
              "order_ptr": "*i32", "offs_ptr": "*i32", "idx_ptr": "*i64", "row_ptr": "*i32",
              "beta": "fp32", "linear_beta": "fp32"}
     common = {"F": s["F"], "D": s["D"], "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": block_m,
-              "BLOCK_E": s["E"]}
+              "BLOCK_E": moe_by_expert.triton.next_power_of_2(s["E"])}
     ttgir = []
     gate_up = compile_for_sm90(moe_by_expert._gate_up_kernel, types,
                                {**common, "K": s["K"], "SITU": act == "situ", "stride_xd": 1, "stride_wd": 1,
