@@ -15,20 +15,18 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
 - kernel 1 (gate/up), grid (chunks, F tiles): program (p, f) takes one chunk of BLOCK_M rows of one expert's group
   (the groups' chunks in expert order; each program finds its own from offs_E, E loads and a prefix sum; a grid of
   `chunk_programs` = min(S, S // BLOCK_M + min(E, S)) bounds them all, so it is static, and the programs past the
-  last chunk exit),
-  gathers the x rows of their tokens (slot // K), computes gate and up tiles with tl.dot over D in fp32, and
-  `glu_rounded` (moe_gemv.py: the GEMV kernel's activation and roundings) stores h [S, F] in x's dtype, one row
-  per slot in expert order.
+  last chunk exit), gathers the x rows of their tokens (slot // K), computes gate and up tiles with tl.dot over D in
+  fp32, and `glu_rounded` (moe_gemv.py: the GEMV kernel's activation and roundings) stores h [S, F] in x's dtype,
+  one row per slot in expert order.
 - kernel 2 (down), grid (chunks, D tiles): out[row, d] = h[row, :] . w2[e, d, :] in fp32, rounded to x's dtype.
 - `combine_rows` (moe_gemv.py): y[t] = sum_k topk_w[t, k] * out[row of slot t*K + k] in fp32, k in order, cast
   (the weights rounded to x's dtype first, as Experts.forward gives them).
 
 So every expert's weights are read from memory once per layer (a program's F or D tile of them; a group of more
 than BLOCK_M rows has each tile read by as many programs as it has chunks, from L2 when they run together: not
-measured), at the precision of
-openk3/ops/moe.py's docstring: `moe_experts_by_expert` has `moe_experts_loop`'s signature and result
-(tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no data-dependent shapes, so it can be captured
-in the decode step's CUDA graph.
+measured), at the precision of openk3/ops/moe.py's docstring: `moe_experts_by_expert` has `moe_experts_loop`'s
+signature and result (tests/ops/test_moe_by_expert.py). Forward only; no host syncs and no data-dependent shapes,
+so it can be captured in the decode step's CUDA graph.
 NOTE: two launches instead of four were tried and measured in the twelfth session (the same engine run on one
 H200, decode steps at batch 16 / 64): each program finding its expert's slots by scanning the ids (no ordering
 kernel) and the down kernel's last program per D tile combining (a ticket, as ops/router_topk.py): 1.77 / 2.59 ms a
