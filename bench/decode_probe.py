@@ -5,6 +5,7 @@ gaps between them (the host's launches, or a CUDA graph's kernel-to-kernel laten
 
     python bench/decode_probe.py kda hit decode:1 decode:16 decode:64 decode:64:c --out bench/results/decode_probe
     python bench/decode_probe.py decode:1 decode:64 --overlap off # the engine's steps not overlapped with the host
+    python bench/decode_probe.py run:64 --prefill-chunk 32768    # a batch-64 run with its 64 prompts in one prefill
 
 Parts (any order, each written to <out>/probe.json as it finishes, with its profile table beside it; the first
 row of each profile's `top` is the device's busy ms against the wall ms of the profiled steps):
@@ -709,11 +710,15 @@ def main() -> None:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
                         "(auto: the engine's default, on with CUDA graphs) [auto]")
+    p.add_argument("--prefill-chunk", type=int, default=8192,
+                   help="EngineConfig.prefill_chunk of the engines the parts build (prefill:L:B:C parts take C), as "
+                        "in bench/vs_transformers_decode.py (32768 prefills a batch of 64 x 512-token prompts in one "
+                        "forward) [8192]")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_probe.py needs CUDA")
     a.out.mkdir(parents=True, exist_ok=True)
-    args = bench_args(["--skip-transformers", "--overlap", a.overlap])
+    args = bench_args(["--skip-transformers", "--overlap", a.overlap, "--prefill-chunk", str(a.prefill_chunk)])
     args.pool_pages = 64 * 12 + 64
     rng = random.Random(0)
     results = {"hardware": hardware(torch.device("cuda")), "command": " ".join(sys.argv[1:])}
