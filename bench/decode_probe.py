@@ -589,6 +589,90 @@ def part_mla() -> dict:
     return out
 
 
+def part_variants(which: str, save_to: Path | None = None) -> dict:
+    """The decode step's small kernels against the variants the seventeenth session wrote (each a CUDA graph of
+    calls over distinct weights or pages, as in a step): the router as one tl.dot kernel per block of tokens (no
+    ticket), the ordering kernel unrolled, the paged MLA kernel transposed (keys as the matmuls' M)."""
+    from openk3.ops import mla_decode
+    from openk3.ops.mla_decode import paged_latent_attention, split_keys
+    from openk3.ops.router_topk import router_forward
+
+    out = {}
+    E, D, k = 32, 1536, 4
+    ws = [torch.randn(E, D, device="cuda", dtype=torch.bfloat16) * D ** -0.5 for _ in range(15)]
+    bias = torch.randn(E, device="cuda") * 0.1
+    def save():
+        if save_to is not None:
+            save_to.write_text(json.dumps(out, indent=1))
+
+    for T in (1, 4, 16, 64) if which == "router" else ():
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        it = iter(range(10 ** 9))
+        ref = router_forward(x, ws[0], bias, k, True, 1.0)
+        want = torch.sigmoid(x.float() @ ws[0].float().T)
+        row = {"ticket": time_graph(lambda: router_forward(x, ws[next(it) % 15], bias, k, True, 1.0), 15, 10),
+               "ticket_score_err": (ref[2] - want).abs().max().item()}
+        for block_d in (64, 128, 256):
+            for stages in (2, 3, 4):
+                for warps in (4, 8):
+                    kw = dict(dot=(16, block_d, stages), warps=warps)
+                    name = f"dot d{block_d} st{stages} w{warps}"
+                    try:
+                        got = router_forward(x, ws[0], bias, k, True, 1.0, **kw)
+                        torch.cuda.synchronize()
+                    except Exception as error:  # noqa: BLE001
+                        row[name] = f"{type(error).__name__}: {str(error)[:200]}"
+                        continue
+                    row[name] = {"same_picks": torch.equal(got[0], ref[0]),
+                                 "picks_equal_frac": (got[0] == ref[0]).float().mean().item(),
+                                 "score_err": (got[2] - want).abs().max().item(),
+                                 "weight_diff": (got[1] - ref[1]).abs().max().item(),
+                                 "us": time_graph(lambda: router_forward(x, ws[next(it) % 15], bias, k, True, 1.0,
+                                                                         **kw), 15, 10)}
+        best = min((v["us"], n) for n, v in row.items() if isinstance(v, dict))
+        print(f"  router T={T}: ticket {row['ticket']:.2f} us, best dot {best[0]:.2f} us ({best[1]}: "
+              f"{row[best[1]]})", flush=True)
+        out[f"router T{T}"] = row
+        save()
+    H, r, rope, page, P, seen = 16, 512, 64, 64, 16, 640
+    for B in (64, 16) if which == "mla" else ():
+        pools = [torch.randn(B * P + 1, page, r + rope, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        table = torch.arange(1, B * P + 1, device="cuda").view(B, P)
+        visible = torch.full((B,), seen, device="cuda") - torch.arange(B, device="cuda") % 64
+        q = torch.randn(B, H, r + rope, device="cuda", dtype=torch.bfloat16)
+        it = iter(range(10 ** 9))
+        ref = paged_latent_attention(q.float(), pools[0].float(), table, visible, 0.07, r, H)
+        row = {"default": time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible, 0.07, r,
+                                                                    H), 4, 20)}
+        for block_n, stages in ((32, 1), (32, 2), (32, 3), (64, 1), (64, 2)):
+            splits = split_keys(B, 1, P * page, block_n)[0]
+            if True:
+                for warps in (4,):
+                    for n_splits in sorted({splits, 2 * splits}):
+                        kw = dict(splits=n_splits, block_n=block_n, warps=warps, stages=stages, transposed=True)
+                        name = f"t n{block_n} s{n_splits} st{stages} w{warps}"
+                        print(f"    {name}", flush=True)
+                        try:
+                            got = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H, **kw)
+                            torch.cuda.synchronize()
+                        except Exception as error:  # noqa: BLE001 (e.g. shared memory at large blocks x stages)
+                            row[name] = f"{type(error).__name__}: {str(error)[:80]}"
+                            continue
+                        err = ((got.float() - ref).norm() / ref.norm()).item()
+                        if err >= 1e-2:
+                            row[name] = f"err {err:.1e}"
+                            continue
+                        row[name] = time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible,
+                                                                              0.07, r, H, **kw), 4, 20)
+                        out[f"mla B{B}"] = row
+                        save()
+        best = min((v, n) for n, v in row.items() if isinstance(v, float))
+        print(f"  mla B={B}: default {row['default']:.2f} us (splits {split_keys(B, 1, P * page)[0]}, block_n "
+              f"{mla_decode.BLOCK_N}), best {best[0]:.2f} us ({best[1]})", flush=True)
+        out[f"mla B{B}"] = row
+    return out
+
+
 def part_attn() -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -745,6 +829,9 @@ def main() -> None:
                 results[name] = part_recurrent()
             elif name == "mla":
                 results[name] = part_mla()
+            elif name.startswith("variants:"):
+                which = name.split(":")[1]
+                results[name] = part_variants(which, a.out / f"variants_{which}.json")
             elif name.startswith("prefill-modules:"):
                 results[name] = part_prefill_modules(model, args, rng, *prefill_shape(name), a.out)
             elif name.startswith("modules:"):

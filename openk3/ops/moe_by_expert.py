@@ -11,7 +11,7 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
 - ordering, grid (S + E) / BLOCK_ORDER: the stable sort of the slots by expert, by counting: the row of slot s is
   the number of slots j with (e_j, j) < (e_s, s), and the end row of expert e the number with e_j <= e. Writes
   order_S (row -> slot), row_S (slot -> row) and offs_E (end rows). O(S^2) comparisons, nothing at these sizes
-  (S = 1024: a million, spread over 17 programs). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
+  (S = 1024: a million, spread over 33 programs; the loop over the slots unrolled, S a compile-time constant). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
 - kernel 1 (gate/up), grid (chunks, F tiles): program (p, f) takes one chunk of BLOCK_M rows of one expert's group
   (the groups' chunks in expert order; each program finds its own from offs_E, E loads and a prefix sum; a grid of
   `chunk_programs` = min(S, S // BLOCK_M + min(E, S)) bounds them all, so it is static, and the programs past the
@@ -84,7 +84,11 @@ STAGES = (3, 3)  # Triton's default on the GPU
 # within these bounds (16: tl.dot's least; 64: two accumulators of 64 x 32 fp32 stay in registers). From static
 # shapes only, so a captured graph keeps it.
 BLOCK_M_MIN, BLOCK_M_MAX = 16, 64
-BLOCK_ORDER = 64  # the ordering kernel: queries (slots or experts) per program x slots compared per step
+# The ordering kernel: queries (slots or experts) a program x slots compared a step. NOTE: measured on one H200
+# (`decode_probe.py variants:router`, seventeenth session; 15 calls in a CUDA graph): with the loop over the slots a
+# runtime one (S an argument) and 64, 4.60 us a call at S = 256 (2.46 at 64, 13.08 at 1024); unrolled, 32: 3.38 (1.72,
+# 9.98); unrolled, 64: 4.33; unrolled, 128: 30.7.
+BLOCK_ORDER = 32
 
 
 def by_expert_applies(x_TD: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
@@ -110,16 +114,17 @@ def chunk_programs(S: int, E: int, block_rows: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _order_kernel(idx_ptr, order_ptr, row_ptr, offs_ptr, S, E, BLOCK: tl.constexpr):
+    def _order_kernel(idx_ptr, order_ptr, row_ptr, offs_ptr, S: tl.constexpr, E, BLOCK: tl.constexpr):
         """Queries q < S are slots: row[q] = #{j : (e_j, j) < (e_q, q)}, order[row[q]] = q. Queries S + e are
         experts: offs[e] = #{j : e_j <= e}. Both counts of one comparison, key_j < key_q with key = e * S + slot:
-        an expert's key is (e + 1) * S."""
+        an expert's key is (e + 1) * S. S is a compile-time constant (one compile per batch bucket), so the loop
+        over the slots unrolls and its loads are all in flight at once (module docstring's NOTE)."""
         q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         is_slot = q < S
         e_q = tl.minimum(tl.maximum(tl.load(idx_ptr + q, mask=is_slot, other=0).to(tl.int64), 0), E - 1)
         key_q = tl.where(is_slot, e_q * S + q, (q - S + 1).to(tl.int64) * S)
         count = tl.zeros((BLOCK,), dtype=tl.int32)
-        for j0 in range(0, S, BLOCK):
+        for j0 in tl.static_range(0, S, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             j_mask = j < S
             e_j = tl.minimum(tl.maximum(tl.load(idx_ptr + j, mask=j_mask, other=0).to(tl.int64), 0), E - 1)
