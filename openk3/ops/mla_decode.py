@@ -71,7 +71,6 @@ STAGES = 3
 # Splits: enough programs to fill a GPU (the H200 has 132 SMs) when B x query blocks alone do not, at most MAX_SPLITS
 # (the combine holds [MAX_SPLITS, BLOCK_COMBINE] fp32 partial outputs in one tile).
 TARGET_PROGRAMS, MAX_SPLITS = 256, 128
-TRANSPOSED = False  # EXPERIMENT (seventeenth session): `_split_kernel_t` by default
 BLOCK_COMBINE = 64  # the combine: R elements a program (grid B x T*H x R / BLOCK_COMBINE)
 
 
@@ -232,58 +231,6 @@ if triton is not None:
             tl.store(ml_ptr + at * 2 + 1, l_i, mask=m_ok)
 
     @triton.jit
-    def _split_kernel_t(q_ptr, pages_ptr, table_ptr, visible_ptr, o_ptr, part_ptr, ml_ptr, scale,
-                        T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, PE: tl.constexpr, PAGE: tl.constexpr,
-                        S: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr,
-                        stride_qb, stride_qm, stride_pn, stride_po, stride_tb, stride_ob, stride_om,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PE: tl.constexpr,
-                        UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
-        """`_split_kernel` transposed: the keys are the matmuls' M dimension and the query rows their N, s^T =
-        c @ q^T [BLOCK_N, BLOCK_M] and o^T += c^T @ p^T [R, BLOCK_M]."""
-        b = tl.program_id(0).to(tl.int64)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        split = tl.program_id(2)
-        M: tl.constexpr = T * H
-        m_ok = m < M
-        visible = tl.load(visible_ptr + b)
-        limit = visible - (T - 1) + m // H  # [BLOCK_M]: the keys each query row sees
-        rc = tl.arange(0, BLOCK_R)
-        pe = tl.arange(0, BLOCK_PE)
-        q_cols = q_ptr + b * stride_qb + m[None, :] * stride_qm
-        q_lat = tl.load(q_cols + rc[:, None], mask=(rc < R)[:, None] & m_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_M]
-        q_pe = tl.load(q_cols + R + pe[:, None], mask=(pe < PE)[:, None] & m_ok[None, :], other=0.0)
-        dtype = q_lat.dtype
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-        for n0 in tl.range(0, KEYS, BLOCK_N, num_stages=NUM_STAGES):
-            n = split * KEYS + n0 + tl.arange(0, BLOCK_N)
-            n_ok = (n < visible) & (n < S)
-            page = tl.load(table_ptr + b * stride_tb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            rows = pages_ptr + page * stride_pn + (n % PAGE) * stride_po  # [BLOCK_N]
-            c = tl.load(rows[:, None] + rc[None, :], mask=n_ok[:, None] & (rc < R)[None, :], other=0.0).to(dtype)
-            k_pe = tl.load(rows[:, None] + R + pe[None, :], mask=n_ok[:, None] & (pe < PE)[None, :],
-                           other=0.0).to(dtype)
-            s = (_dot(c, q_lat, UPCAST) + _dot(k_pe, q_pe, UPCAST)) * scale  # [BLOCK_N, BLOCK_M]
-            s = tl.where(n[:, None] < limit[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha[None, :] + _dot(tl.trans(c), p.to(dtype), UPCAST)
-            m_i = m_new
-        if SPLITS == 1:
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-            tl.store(o_ptr + b * stride_ob + m[None, :] * stride_om + rc[:, None], o.to(o_ptr.dtype.element_ty),
-                     mask=m_ok[None, :] & (rc < R)[:, None])
-        else:
-            at = (b * M + m) * SPLITS + split
-            tl.store(part_ptr + at[None, :] * R + rc[:, None], acc, mask=m_ok[None, :] & (rc < R)[:, None])
-            tl.store(ml_ptr + at * 2, m_i, mask=m_ok)
-            tl.store(ml_ptr + at * 2 + 1, l_i, mask=m_ok)
-
-    @triton.jit
     def _combine_kernel(part_ptr, ml_ptr, o_ptr, M: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
                         stride_ob, stride_om, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
         """Query row m of row b, its BLOCK_R elements of o: o = sum_s exp(m_s - max) acc_s / sum_s exp(m_s - max) l_s,
@@ -306,9 +253,8 @@ if triton is not None:
 
 
 def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible: Tensor, scale: float, r: int,
-                           heads: int, splits: int | None = None, block_n: int | None = None,
-                           warps: int | None = None, stages: int | None = None,
-                           transposed: bool | None = None) -> Tensor:
+                           heads: int, splits: int | None = None, block_n: int = BLOCK_N, warps: int = WARPS,
+                           stages: int = STAGES) -> Tensor:
     """`latent_attention` over a paged cache read in place (module docstring). Forward only.
 
     q_cat: [B, T*H, r + rope] in the operands' dtype (bf16, fp16 or fp32), row t*H + h. pages: [num_pages, page_size,
@@ -334,8 +280,6 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
     S = table.shape[1] * page_size
     o_lat = torch.empty(B, M, r, dtype=q_cat.dtype, device=q_cat.device)
     query_blocks = triton.cdiv(M, BLOCK_M)
-    transposed = TRANSPOSED if transposed is None else transposed
-    block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
     if splits is None:
         splits, keys = split_keys(B, query_blocks, S, block_n)
     else:
@@ -345,7 +289,7 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
         ml = torch.empty(B, M, splits, 2, dtype=torch.float32, device=q_cat.device)
     else:
         part = ml = o_lat  # not written
-    (_split_kernel_t if transposed else _split_kernel)[(B, query_blocks, splits)](
+    _split_kernel[(B, query_blocks, splits)](
         q_cat, pages, table, visible, o_lat, part, ml, float(scale), M // heads, heads, r, C - r, page_size, S, keys,
         splits, q_cat.stride(0), q_cat.stride(1), pages.stride(0), pages.stride(1), table.stride(0), o_lat.stride(0),
         o_lat.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),

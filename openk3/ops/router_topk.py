@@ -60,9 +60,12 @@ MAX_SCORE_MACS = 2 ** 24
 # at most MAX_ROWS, reading CHUNK elements a step. The selection compares every pair of experts at once up to
 # RANK_MAX_EXPERTS (a BLOCK x BLOCK tile), else takes the k largest one after the other.
 TILE, CHUNK, MAX_ROWS, RANK_MAX_EXPERTS = 8192, 2048, 16, 64
-# EXPERIMENT (seventeenth session): (tokens a program, D a step, stages) of the tl.dot kernel for E <= RANK_MAX_EXPERTS,
-# or None for the ticket kernel
-DOT = None
+# NOTE: one program per 16 tokens scoring all E experts with tl.dot (no ticket; the selection by rank for all its
+# tokens at once) was tried in the seventeenth session and removed: `decode_probe.py variants:router` (commit
+# 49b8be9; bench/results/decode_probe/seventeenth/variants_router.json; H200, 15 calls over 15 weights in a CUDA
+# graph) at kimi-linear-1.5b's shape took 6.34-11.16 us a call at 1 token and 6.43-11.27 at 4 over D steps of
+# 64-256, 2-4 stages and 4 / 8 warps (the same picks), against this kernel's 4.31 and 4.76; in the engine (16, 128,
+# 3) batch 1 ran 0.93 ms a step against 0.89-0.90.
 
 
 def route_kernel_applies(scores_TE: Tensor, k: int) -> bool:
@@ -161,44 +164,6 @@ if triton is not None:
             tl.store(tickets_ptr + t, 0)  # for the next call
 
 
-    @triton.jit
-    def _router_dot_kernel(x_ptr, x_stride, weight_ptr, scores_ptr, bias_ptr, idx_ptr, w_ptr, scale, T, E,
-                           D: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_D: tl.constexpr, RENORM: tl.constexpr, UPCAST: tl.constexpr,
-                           NUM_STAGES: tl.constexpr):
-        """Program i: tokens i * BLOCK_T ... scored against all E experts with tl.dot over D (fp32 accumulation),
-        the sigmoid, then each token's picks by rank (`_select_by_rank`'s rule, all tokens of the block at once)."""
-        ts = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = ts < T
-        es = tl.arange(0, BLOCK_E)
-        e_ok = es < E
-        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
-            ds = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + ts[:, None] * x_stride + ds[None, :], mask=t_ok[:, None] & (ds < D)[None, :],
-                        other=0.0)
-            w = tl.load(weight_ptr + es[None, :] * D + ds[:, None], mask=e_ok[None, :] & (ds < D)[:, None],
-                        other=0.0)
-            if UPCAST:
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        s = 1.0 / (1.0 + tl.exp(-acc))
-        tl.store(scores_ptr + ts[:, None] * E + es[None, :], s, mask=t_ok[:, None] & e_ok[None, :])
-        sel = tl.where(e_ok[None, :], s + tl.load(bias_ptr + es, mask=e_ok, other=0.0)[None, :], float("-inf"))
-        # [BLOCK_T, e, j]: expert j ahead of expert e for the token
-        ahead = (sel[:, None, :] > sel[:, :, None]) | ((sel[:, None, :] == sel[:, :, None])
-                                                        & (es[None, None, :] < es[None, :, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=2)
-        picked = e_ok[None, :] & (rank < K) & t_ok[:, None]
-        weight = s
-        if RENORM:
-            total = tl.sum(tl.where(picked, s, 0.0), axis=1)
-            weight = weight / tl.where(total > 0, total, 1.0)[:, None]
-        weight = weight * scale
-        tl.store(idx_ptr + ts[:, None] * K + rank, (es[None, :] + 0 * ts[:, None]).to(tl.int64), mask=picked)
-        tl.store(w_ptr + ts[:, None] * K + rank, weight, mask=picked)
-
-
 def route_topk(scores_TE: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: float) -> tuple[Tensor, Tensor]:
     """fp32 router scores [T, E] (after the sigmoid) -> (topk_idx [T, k] int64, topk_w [T, k] fp32), as
     `Router.forward` computes them (module docstring). Only where `route_kernel_applies`."""
@@ -253,8 +218,7 @@ _TICKETS: dict[torch.device, list[Tensor]] = {}
 
 
 def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, renorm: bool, scale: float,
-                   blocks: tuple[int, int] | None = None, warps: int = 4,
-                   dot: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   blocks: tuple[int, int] | None = None, warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """`Router.forward` from its input x [T, D]: (topk_idx [T, k] int64, topk_w [T, k] fp32, scores [T, E] fp32),
     scores = sigmoid(x . weight^T) in fp32 (module docstring). Only where `router_kernel_applies`.
     blocks: (experts a program scores, elements of D it reads a step), powers of two, and warps: a program's warps,
@@ -268,16 +232,6 @@ def router_forward(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, k: int, reno
     if not T:
         return idx, w, scores
     bias = bias_E.float().contiguous()
-    if dot is None and blocks is None and DOT is not None and E <= RANK_MAX_EXPERTS:
-        dot = DOT
-    if dot is not None:
-        block_t, block_d, stages = dot
-        same = x_TD.dtype == weight_ED.dtype and x_TD.dtype in (torch.bfloat16, torch.float16)
-        _router_dot_kernel[(triton.cdiv(T, block_t),)](
-            x_TD, x_TD.stride(0), weight_ED, scores, bias, idx, w, float(scale), T, E, D, K=k, BLOCK_T=block_t,
-            BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_D=block_d, RENORM=bool(renorm),
-            UPCAST=not same or INTERPRET, NUM_STAGES=stages, num_warps=warps)
-        return idx, w, scores
     if blocks is None:
         rows = max(1, TILE // D)
         block_e = min(1 << (rows.bit_length() - 1), MAX_ROWS, triton.next_power_of_2(E))
