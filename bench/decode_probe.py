@@ -42,6 +42,9 @@ row of each profile's `top` is the device's busy ms against the wall ms of the p
                it: its duration and the idle gap before it; totals (kernels, device-busy us, gap us, the span from
                the first kernel's start to the last one's end) and the names by device time, to
                <out>/timeline_b<B>.json
+  runs:B:N     N timed runs of B prompts (the decode benchmark's), each with the allocator's device allocations,
+               frees and retries, Python's garbage collections and the SM clock before it: what differs between a
+               run whose prefill is slow and one whose is not
   run:B        a whole decode benchmark run of B prompts (vs_transformers_decode.py's): the host's ms in each engine
                phase, the lines where it waits for the device (sync debug mode), the device's busy and idle time
                and its largest gaps, to <out>/run_b<B>.json
@@ -412,6 +415,51 @@ def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
     return out
 
 
+def part_runs(model, args, rng, B: int, n: int) -> dict:
+    """n timed runs of B prompts (vs_transformers_decode.py's decode part: 512-token prompts, `--decode-tokens` greedy
+    tokens, new prompts each run, one untimed run first), each with what could make one run's prefill slower than
+    another's: the caching allocator's device allocations, frees and retries during the run, Python's garbage
+    collections during it (count and ms by generation), and the SM clock (NVML) just before it starts."""
+    import gc
+
+    from bench.vs_transformers_decode import timed_engine_run
+
+    engine = engine_for(model, args, B, prefix_cache=False)
+    engine.generate(random_prompts(B, 512, model.config.vocab_size, rng), greedy(args.decode_tokens))  # captures
+    pauses = []
+    started = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], (time.perf_counter() - started.pop("t", time.perf_counter())) * 1e3))
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    runs = []
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(n):
+            prompts = random_prompts(B, 512, model.config.vocab_size, rng)
+            pauses.clear()
+            before = torch.cuda.memory_stats()
+            clock = torch.cuda.clock_rate()
+            seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
+            after = torch.cuda.memory_stats()
+            ttft = max(r.first_token_at for r in reqs) - min(r.submitted_at for r in reqs)
+            rest = max(r.finished_at for r in reqs) - max(r.first_token_at for r in reqs)
+            run = {"tokens_per_s": sum(len(r.output) for r in reqs) / seconds, "prefill_ms": 1e3 * ttft,
+                   "ms_per_step": 1e3 * rest / (args.decode_tokens - 1), "sm_clock_mhz_before": clock,
+                   "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in keys},
+                   "gc": [{"generation": g, "ms": round(ms, 3)} for g, ms in pauses]}
+            runs.append(run)
+            print(f"  batch {B}: {run['tokens_per_s']:8.1f} tokens/s, prefill {run['prefill_ms']:6.1f} ms, "
+                  f"{run['ms_per_step']:.3f} ms a step, SM {clock} MHz before, allocator {run['allocator']}, "
+                  f"gc {[(g, round(ms, 2)) for g, ms in pauses]}", flush=True)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return {"runs": runs}
+
+
 def part_linear() -> dict:
     import torch.nn.functional as F
 
@@ -589,90 +637,6 @@ def part_mla() -> dict:
     return out
 
 
-def part_variants(which: str, save_to: Path | None = None) -> dict:
-    """The decode step's small kernels against the variants the seventeenth session wrote (each a CUDA graph of
-    calls over distinct weights or pages, as in a step): the router as one tl.dot kernel per block of tokens (no
-    ticket), the ordering kernel unrolled, the paged MLA kernel transposed (keys as the matmuls' M)."""
-    from openk3.ops import mla_decode
-    from openk3.ops.mla_decode import paged_latent_attention, split_keys
-    from openk3.ops.router_topk import router_forward
-
-    out = {}
-    E, D, k = 32, 1536, 4
-    ws = [torch.randn(E, D, device="cuda", dtype=torch.bfloat16) * D ** -0.5 for _ in range(15)]
-    bias = torch.randn(E, device="cuda") * 0.1
-    def save():
-        if save_to is not None:
-            save_to.write_text(json.dumps(out, indent=1))
-
-    for T in (1, 4, 16, 64) if which == "router" else ():
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        it = iter(range(10 ** 9))
-        ref = router_forward(x, ws[0], bias, k, True, 1.0)
-        want = torch.sigmoid(x.float() @ ws[0].float().T)
-        row = {"ticket": time_graph(lambda: router_forward(x, ws[next(it) % 15], bias, k, True, 1.0), 15, 10),
-               "ticket_score_err": (ref[2] - want).abs().max().item()}
-        for block_d in (64, 128, 256):
-            for stages in (2, 3, 4):
-                for warps in (4, 8):
-                    kw = dict(dot=(16, block_d, stages), warps=warps)
-                    name = f"dot d{block_d} st{stages} w{warps}"
-                    try:
-                        got = router_forward(x, ws[0], bias, k, True, 1.0, **kw)
-                        torch.cuda.synchronize()
-                    except Exception as error:  # noqa: BLE001
-                        row[name] = f"{type(error).__name__}: {str(error)[:200]}"
-                        continue
-                    row[name] = {"same_picks": torch.equal(got[0], ref[0]),
-                                 "picks_equal_frac": (got[0] == ref[0]).float().mean().item(),
-                                 "score_err": (got[2] - want).abs().max().item(),
-                                 "weight_diff": (got[1] - ref[1]).abs().max().item(),
-                                 "us": time_graph(lambda: router_forward(x, ws[next(it) % 15], bias, k, True, 1.0,
-                                                                         **kw), 15, 10)}
-        best = min((v["us"], n) for n, v in row.items() if isinstance(v, dict))
-        print(f"  router T={T}: ticket {row['ticket']:.2f} us, best dot {best[0]:.2f} us ({best[1]}: "
-              f"{row[best[1]]})", flush=True)
-        out[f"router T{T}"] = row
-        save()
-    H, r, rope, page, P, seen = 16, 512, 64, 64, 16, 640
-    for B in (64, 16) if which == "mla" else ():
-        pools = [torch.randn(B * P + 1, page, r + rope, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        table = torch.arange(1, B * P + 1, device="cuda").view(B, P)
-        visible = torch.full((B,), seen, device="cuda") - torch.arange(B, device="cuda") % 64
-        q = torch.randn(B, H, r + rope, device="cuda", dtype=torch.bfloat16)
-        it = iter(range(10 ** 9))
-        ref = paged_latent_attention(q.float(), pools[0].float(), table, visible, 0.07, r, H)
-        row = {"default": time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible, 0.07, r,
-                                                                    H), 4, 20)}
-        for block_n, stages in ((32, 1), (32, 2), (32, 3), (64, 1), (64, 2)):
-            splits = split_keys(B, 1, P * page, block_n)[0]
-            if True:
-                for warps in (4,):
-                    for n_splits in sorted({splits, 2 * splits}):
-                        kw = dict(splits=n_splits, block_n=block_n, warps=warps, stages=stages, transposed=True)
-                        name = f"t n{block_n} s{n_splits} st{stages} w{warps}"
-                        print(f"    {name}", flush=True)
-                        try:
-                            got = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H, **kw)
-                            torch.cuda.synchronize()
-                        except Exception as error:  # noqa: BLE001 (e.g. shared memory at large blocks x stages)
-                            row[name] = f"{type(error).__name__}: {str(error)[:80]}"
-                            continue
-                        err = ((got.float() - ref).norm() / ref.norm()).item()
-                        if err >= 1e-2:
-                            row[name] = f"err {err:.1e}"
-                            continue
-                        row[name] = time_graph(lambda: paged_latent_attention(q, pools[next(it) % 4], table, visible,
-                                                                              0.07, r, H, **kw), 4, 20)
-                        out[f"mla B{B}"] = row
-                        save()
-        best = min((v, n) for n, v in row.items() if isinstance(v, float))
-        print(f"  mla B={B}: default {row['default']:.2f} us (splits {split_keys(B, 1, P * page)[0]}, block_n "
-              f"{mla_decode.BLOCK_N}), best {best[0]:.2f} us ({best[1]})", flush=True)
-        out[f"mla B{B}"] = row
-    return out
-
-
 def part_attn() -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -788,8 +752,8 @@ def prefill_shape(part: str) -> tuple[int, int, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("parts", nargs="+", help="kda, attn, linear, recurrent, router, mla, hit, prefill:L[:B[:C]], "
-                                            "prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, decode:B, "
-                                            "decode:B:c or spec:k")
+                                            "prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, runs:B:N, "
+                                            "decode:B, decode:B:c or spec:k")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_probe"), help="a directory")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.overlap for the decode and hit parts, as in bench/vs_transformers_decode.py "
@@ -829,13 +793,13 @@ def main() -> None:
                 results[name] = part_recurrent()
             elif name == "mla":
                 results[name] = part_mla()
-            elif name.startswith("variants:"):
-                which = name.split(":")[1]
-                results[name] = part_variants(which, a.out / f"variants_{which}.json")
             elif name.startswith("prefill-modules:"):
                 results[name] = part_prefill_modules(model, args, rng, *prefill_shape(name), a.out)
             elif name.startswith("modules:"):
                 results[name] = part_modules(model, args, rng, int(name.split(":")[1]), a.out)
+            elif name.startswith("runs:"):
+                _, B, n = name.split(":")
+                results[name] = part_runs(model, args, rng, int(B), int(n))
             elif name.startswith("run:"):
                 results[name] = part_run(model, args, rng, int(name.split(":")[1]), a.out)
             elif name.startswith("timeline:"):
@@ -846,7 +810,7 @@ def main() -> None:
             else:
                 raise ValueError(f"unknown part {name!r}: kda, attn, linear, recurrent, router, mla, hit, "
                                  f"prefill:L[:B[:C]], prefill-modules:L[:B[:C]], modules:B, timeline:B, run:B, "
-                                 f"decode:B, decode:B:c or spec:k")
+                                 f"runs:B:N, decode:B, decode:B:c or spec:k")
         except Exception as error:  # noqa: BLE001 (a part that fails is recorded; the others still run)
             import traceback
             traceback.print_exc()
