@@ -10,9 +10,11 @@ at batch 64 the gather, scores, mask, softmax and p @ c took ~130 us an MLA laye
 
 `paged_latent_attention` reads the pages where they are, in two launches:
 
-- kernel 1, grid (B rows, blocks of BLOCK_M query rows (heads x new tokens), key splits): a program walks its split's
-  keys BLOCK_N at a time, finding each key's page through the table; it loads the keys' latents once for all its
-  query rows ([BLOCK_N, r] and [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online
+- kernel 1, grid (B rows, blocks of BLOCK_M query rows (heads x new tokens), key splits): a program reads its split's
+  entries of the page table once (BLOCK_P pages), then walks the split's keys that the row sees BLOCK_N at a time,
+  each key's page picked from those registers (so no load inside the loop feeds the latents' addresses, and Triton's
+  pipeliner keeps the next block's latents in flight: see the NOTE at STAGES); it loads the keys' latents once for
+  all its query rows ([BLOCK_N, r] and [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online
   softmax (running max and sum in fp32; p = exp(s - max) rounded to the operands' dtype for p @ c, accumulated in
   fp32). With one split it writes o = acc / sum in the operands' dtype; with several, its (acc, max, sum) in fp32.
 - kernel 2, grid (B x T*H query rows, R / BLOCK_COMBINE): combines the splits, o = sum_s exp(m_s - m) acc_s /
@@ -65,12 +67,34 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # stages for the default and the best pair: nothing beat the defaults by more than 4% at batch 1 (7.87 us a call,
 # best 7.58; the default's settings timed 7.77-8.39 in the same sweep) nor 0.3% at 16 and 64 (19.30 and 43.54 us).
 # At batch 64 that is ~1.1 TB/s of the latents.
+# NOTE: why the stages did not matter then (seventeenth session): the key loop loaded each key's page from the table
+# and then the latents at that page, so the latents' addresses came from a load in the same iteration, and Triton
+# (sm_90 TTGIR) gave the latents one shared-memory buffer and waited for every copy at the top of each iteration
+# (`async_wait {num = 0}`): each block of keys waited out the memory's latency. With the split's pages read before
+# the loop, 3 stages give two buffers and a wait that leaves the next block's copies in flight
+# (tests/ops/test_mla_decode.py checks the compiled kernel). Measured on one H200 (a row's 512-640 keys in shuffled
+# pages, 4 layers cycled; bench/results/decode_probe/seventeenth/call3_micro.json), old -> new at 3 stages: batch 64
+# 42.96 -> 38.97 us a call, batch 16 19.93 -> 18.48 (2 stages 17.21), batch 1 7.48 -> 7.82; 4 and 5 stages 47.0 at
+# batch 64. A loop over all of the split's keys (masked past `visible`, as before) instead of only those the row sees
+# timed 36.62 / 17.19 / 7.75 at 3 stages; it was not kept, because the GPU tests and the engine ran this one.
+# Still ~1.1 TB/s at batch 64: the kernel is not bound by the memory's bandwidth, and what bounds it is not known.
+# NOTE: the kernel transposed (the keys as the matmuls' M, the query rows as N: s^T = c @ q^T, o^T += c^T @ p^T, so
+# that Triton picks Hopper's wgmma instead of mma at 16 heads) was tried in the seventeenth session and removed:
+# `decode_probe.py variants:mla` (commit 49b8be9; bench/results/decode_probe/seventeenth/variants_mla.json), batch
+# 64, 4 layers cycled: 48.7-62.8 us a call at BLOCK_N 32 over 1-3 stages and 4 / 8 splits, against this kernel's
+# 43.2; BLOCK_N 64 faulted (an illegal address on the device; not chased); at batch 1 (call 1) 8.33 against 8.36.
+# In the engine (BLOCK_N 32, 3 stages) batch 64 ran 2.30-2.31 ms a step, as without it.
 BLOCK_M, BLOCK_N = 16, 32
 WARPS = 4
 STAGES = 3
 # Splits: enough programs to fill a GPU (the H200 has 132 SMs) when B x query blocks alone do not, at most MAX_SPLITS
 # (the combine holds [MAX_SPLITS, BLOCK_COMBINE] fp32 partial outputs in one tile).
 TARGET_PROGRAMS, MAX_SPLITS = 256, 128
+# A program holds its split's page numbers in registers and picks each key's from them with a [BLOCK_N, BLOCK_P]
+# comparison, so at long contexts the splits are made short enough that a split's keys lie on about this many pages
+# (kimi-linear-1.5b at batch 64 with 32K-token rows and pages of 64: 9 splits instead of 4). Past MAX_SPLITS a split
+# takes more pages (correct, with a wider comparison).
+SPLIT_PAGES = 62
 BLOCK_COMBINE = 64  # the combine: R elements a program (grid B x T*H x R / BLOCK_COMBINE)
 
 
@@ -153,11 +177,16 @@ def paged_latent_attention_reference(q_cat: Tensor, pages: Tensor, table: Tensor
     return latent_attention(q_cat, lat, visible_mask(visible, q_cat.shape[1] // heads, lat.shape[1]), scale, r)
 
 
-def split_keys(B: int, query_blocks: int, S: int, block_n: int = BLOCK_N) -> tuple[int, int]:
+def split_keys(B: int, query_blocks: int, S: int, block_n: int = BLOCK_N, page_size: int | None = None
+               ) -> tuple[int, int]:
     """-> (splits, keys a split: a multiple of block_n) for S keys a row: enough splits that B x query_blocks x
-    splits reaches TARGET_PROGRAMS where it can, at most MAX_SPLITS and one block of keys each. Static shapes only."""
+    splits reaches TARGET_PROGRAMS where it can, and (given page_size) that a split's keys lie on at most about
+    SPLIT_PAGES pages, at most MAX_SPLITS and one block of keys each. Static shapes only."""
     blocks = triton.cdiv(S, block_n)
-    want = min(triton.cdiv(TARGET_PROGRAMS, B * query_blocks), blocks, MAX_SPLITS)
+    want = triton.cdiv(TARGET_PROGRAMS, B * query_blocks)
+    if page_size is not None:
+        want = max(want, triton.cdiv(S, SPLIT_PAGES * page_size))
+    want = min(want, blocks, MAX_SPLITS)
     per_split = triton.cdiv(blocks, want)
     return triton.cdiv(blocks, per_split), per_split * block_n
 
@@ -178,12 +207,13 @@ if triton is not None:
                       S: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr,
                       stride_qb, stride_qm, stride_pn, stride_po, stride_tb, stride_ob, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PE: tl.constexpr,
-                      UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      BLOCK_P: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
         """Row b, query rows m (token t = m // H), keys [split * KEYS, (split + 1) * KEYS): the online softmax of
         the module docstring. T*H query rows, R + PE the latent's width, S = P * PAGE the table's keys.
-        The shapes are compile-time constants: fixed per model and bucket, and the key loop's trip count is known.
-        NOTE: also because the interpreter (TRITON_INTERPRET, the CPU tests) with numpy 2.4 cannot loop `range`
-        over a runtime int argument (moe_gemv.py)."""
+        The shapes are compile-time constants: fixed per model and bucket. The key loop ends at the split's last key
+        the row sees (from `visible`, a loaded value). NOTE: the interpreter (TRITON_INTERPRET, the CPU tests) with
+        numpy 2.4 cannot loop `range` over a runtime int argument (moe_gemv.py); over a loaded value it can (as
+        ops/moe_by_expert.py's chunk loops)."""
         b = tl.program_id(0).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -200,12 +230,17 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for n0 in tl.range(0, KEYS, BLOCK_N, num_stages=NUM_STAGES):
-            n = split * KEYS + n0 + tl.arange(0, BLOCK_N)
+        lo = split * KEYS
+        first = lo // PAGE
+        ps = tl.arange(0, BLOCK_P)
+        split_pages = tl.load(table_ptr + b * stride_tb + first + ps, mask=first + ps < S // PAGE, other=0).to(tl.int64)
+        hi = tl.minimum(tl.minimum(lo + KEYS, visible), S)  # the split's last key the row sees, + 1
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            n = n0 + tl.arange(0, BLOCK_N)
             # NOTE: keys past the row's `visible` are not loaded at all: a masked-out key's latent is multiplied by
             # p = 0 in p @ c, and 0 x NaN (stale bytes in a page past the row's length) would be NaN
-            n_ok = (n < visible) & (n < S)
-            page = tl.load(table_ptr + b * stride_tb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            n_ok = n < hi
+            page = tl.sum(tl.where((n // PAGE - first)[:, None] == ps[None, :], split_pages[None, :], 0), axis=1)
             rows = pages_ptr + page * stride_pn + (n % PAGE) * stride_po  # [BLOCK_N]
             c = tl.load(rows[:, None] + rc[None, :], mask=n_ok[:, None] & (rc < R)[None, :], other=0.0).to(dtype)
             k_pe = tl.load(rows[:, None] + R + pe[None, :], mask=n_ok[:, None] & (pe < PE)[None, :],
@@ -253,8 +288,8 @@ if triton is not None:
 
 
 def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible: Tensor, scale: float, r: int,
-                           heads: int, splits: int | None = None, block_n: int = BLOCK_N, warps: int = WARPS,
-                           stages: int = STAGES) -> Tensor:
+                           heads: int, splits: int | None = None, block_n: int | None = None,
+                           warps: int | None = None, stages: int | None = None) -> Tensor:
     """`latent_attention` over a paged cache read in place (module docstring). Forward only.
 
     q_cat: [B, T*H, r + rope] in the operands' dtype (bf16, fp16 or fp32), row t*H + h. pages: [num_pages, page_size,
@@ -262,7 +297,7 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
     of each row (entries past a row's pages: any page, e.g. the zero page). visible: [B] integer, the keys the row's
     last new token sees. heads: H. -> o_lat [B, T*H, r] in q_cat's dtype.
     splits: key splits (None: `split_keys`), block_n: keys a step (a power of two >= 16), warps and stages (the key
-    loop's pipelining) of the split kernel; for tests and the bench.
+    loop's pipelining) of the split kernel, None for the module's (BLOCK_N, WARPS, STAGES); for tests and the bench.
     No host sync and no data-dependent shape: it runs inside the captured decode step (serve/static.py)."""
     _check_inputs(q_cat, pages, table, visible, r, heads)
     ok, why = paged_supported(q_cat.device, q_cat.dtype)
@@ -280,8 +315,9 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
     S = table.shape[1] * page_size
     o_lat = torch.empty(B, M, r, dtype=q_cat.dtype, device=q_cat.device)
     query_blocks = triton.cdiv(M, BLOCK_M)
+    block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
     if splits is None:
-        splits, keys = split_keys(B, query_blocks, S, block_n)
+        splits, keys = split_keys(B, query_blocks, S, block_n, page_size)
     else:
         keys = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
     if splits > 1:
@@ -293,8 +329,8 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
         q_cat, pages, table, visible, o_lat, part, ml, float(scale), M // heads, heads, r, C - r, page_size, S, keys,
         splits, q_cat.stride(0), q_cat.stride(1), pages.stride(0), pages.stride(1), table.stride(0), o_lat.stride(0),
         o_lat.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16,
-        NUM_STAGES=stages, num_warps=warps)
+        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), BLOCK_P=triton.next_power_of_2(triton.cdiv(keys, page_size) + 1),
+        UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16, NUM_STAGES=stages, num_warps=warps)
     if splits > 1:
         block_r = min(BLOCK_COMBINE, triton.next_power_of_2(r))
         _combine_kernel[(B * M, triton.cdiv(r, block_r))](part, ml, o_lat, M, r, splits, o_lat.stride(0),

@@ -82,6 +82,11 @@ def test_splits_depend_on_static_shapes_only():
     assert split_keys(1, 1, 1024) == (32, 32)  # batch 1: one block of keys a split
     assert split_keys(1, 1, 64 * 1024) == (128, 512)  # capped at MAX_SPLITS
     assert split_keys(512, 1, 1024) == (1, 1024)
+    # long rows: a split's keys on at most ~SPLIT_PAGES pages (the kernel's page lookup), while MAX_SPLITS allows
+    assert split_keys(64, 1, 1024, page_size=64) == (4, 256)
+    splits, keys = split_keys(64, 1, 32768, page_size=64)
+    assert splits == 9 and -(-keys // 64) + 1 <= 64
+    assert split_keys(1, 1, 64 * 1024, page_size=4)[0] == 128  # MAX_SPLITS still caps it
     splits, keys = split_keys(3, 2, 100, block_n=16)
     assert keys % 16 == 0 and (splits - 1) * keys < 100 <= splits * keys
 
@@ -103,6 +108,7 @@ CASES = [  # B, T, H, r, rope, page_size, P, lengths (None: a padding row)
     (4, 1, 4, 24, 8, 5, 8, [7, None, 1, 19]),  # a padding row; r and page_size not powers of two
     (2, 3, 2, 16, 8, 4, 4, [0, 9]),  # a verification's 3 tokens: causal among them
     (2, 4, 8, 32, 16, 8, 4, [17, 3]),  # T*H = 32 query rows: two query blocks
+    (2, 1, 2, 16, 8, 3, 16, [40, 7]),  # pages of 3: a block of keys on 6-7 pages, a split on up to 17
 ]
 
 
@@ -191,6 +197,35 @@ def test_interpreted_static_verification_and_prefill_equal_the_general_path():
     assert rel_err(both["fast"][1], both["general"][1]) < 1e-5
     (gen, _), (fast, _) = static.prefill_both_ways(small_model("k3", seed=5, dense=True), [[0] * 7, [0] * 16, [0] * 1])
     assert rel_err(fast, gen) < 1e-5
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+def test_kernel_compiles_for_sm90_with_its_key_loop_pipelined():
+    """What the interpreter cannot check: at kimi-linear-1.5b's shapes at batch 64 (16 heads, 512 + 64, pages of 64,
+    a 16-page table, 4 splits) the split kernel compiles for sm_90 without spilled registers, and the latents of the
+    next block of keys are in flight while a block is scored: STAGES - 1 shared-memory buffers for them and an async
+    wait that leaves copies outstanding. With the page table read inside the key loop (before the seventeenth
+    session) Triton gave them one buffer and waited for every copy (`async_wait {num = 0}`)."""
+    import re
+
+    from tests.ops.test_moe_gemv import compile_for_sm90
+
+    splits, keys = split_keys(64, 1, 1024, page_size=64)
+    types = {"q_ptr": "*bf16", "pages_ptr": "*bf16", "table_ptr": "*i64", "visible_ptr": "*i64", "o_ptr": "*bf16",
+             "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
+    ttgir = []
+    usage = compile_for_sm90(
+        mla_decode._split_kernel, types,
+        dict(T=1, H=16, R=512, PE=64, PAGE=64, S=1024, KEYS=keys, SPLITS=splits, stride_qm=576, stride_po=576,
+             BLOCK_M=mla_decode.BLOCK_M, BLOCK_N=mla_decode.BLOCK_N, BLOCK_R=512, BLOCK_PE=64,
+             BLOCK_P=mla_decode.triton.next_power_of_2(-(-keys // 64) + 1), UPCAST=False,
+             NUM_STAGES=mla_decode.STAGES),
+        divisible=("stride_qb", "stride_pn", "stride_tb", "stride_ob", "stride_om"), ttgir=ttgir)
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+    buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x%dx512xbf16" % mla_decode.BLOCK_N, ttgir[0])
+    assert buffers == [str(mla_decode.STAGES - 1)], buffers
+    assert re.search(r"async_wait [^{]*\{num = [1-9]", ttgir[0])
 
 
 @cuda
