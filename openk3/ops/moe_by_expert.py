@@ -85,9 +85,10 @@ STAGES = (3, 3)  # Triton's default on the GPU
 # shapes only, so a captured graph keeps it.
 BLOCK_M_MIN, BLOCK_M_MAX = 16, 64
 # The ordering kernel: queries (slots or experts) a program x slots compared a step. NOTE: measured on one H200
-# (`decode_probe.py variants:router`, seventeenth session; 15 calls in a CUDA graph): with the loop over the slots a
-# runtime one (S an argument) and 64, 4.60 us a call at S = 256 (2.46 at 64, 13.08 at 1024); unrolled, 32: 3.38 (1.72,
-# 9.98); unrolled, 64: 4.33; unrolled, 128: 30.7.
+# (seventeenth session, 15 calls in a CUDA graph, by a probe since removed: commit 49b8be9's `decode_probe.py
+# variants:router`, printed in bench/results/decode_probe/seventeenth/call1_log.txt): with the loop over the slots a
+# runtime one (S an argument) and 64, 4.60 us a call at S = 256 (2.46 at 64, 13.08 at 1024); unrolled, 32: 3.38
+# (1.72, 9.98); unrolled, 64: 4.33 (2.28, 12.28); unrolled, 128: 30.73 (3.44, 122.34).
 BLOCK_ORDER = 32
 
 
