@@ -329,7 +329,8 @@ def paged_latent_attention(q_cat: Tensor, pages: Tensor, table: Tensor, visible:
         q_cat, pages, table, visible, o_lat, part, ml, float(scale), M // heads, heads, r, C - r, page_size, S, keys,
         splits, q_cat.stride(0), q_cat.stride(1), pages.stride(0), pages.stride(1), table.stride(0), o_lat.stride(0),
         o_lat.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        BLOCK_PE=max(16, triton.next_power_of_2(C - r)), BLOCK_P=triton.next_power_of_2(triton.cdiv(keys, page_size) + 1),
+        BLOCK_PE=max(16, triton.next_power_of_2(C - r)),
+        BLOCK_P=triton.next_power_of_2(triton.cdiv(keys, page_size) + 1),  # the pages a split's keys can lie on
         UPCAST=INTERPRET and q_cat.dtype == torch.bfloat16, NUM_STAGES=stages, num_warps=warps)
     if splits > 1:
         block_r = min(BLOCK_COMBINE, triton.next_power_of_2(r))

@@ -11,7 +11,8 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
 - ordering, grid (S + E) / BLOCK_ORDER: the stable sort of the slots by expert, by counting: the row of slot s is
   the number of slots j with (e_j, j) < (e_s, s), and the end row of expert e the number with e_j <= e. Writes
   order_S (row -> slot), row_S (slot -> row) and offs_E (end rows). O(S^2) comparisons, nothing at these sizes
-  (S = 1024: a million, spread over 33 programs; the loop over the slots unrolled, S a compile-time constant). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
+  (S = 1024: a million, spread over 33 programs; the loop over the slots unrolled, S a compile-time constant). Ids
+  are clamped to 0..E-1 as the GEMV kernels clamp them.
 - kernel 1 (gate/up), grid (chunks, F tiles): program (p, f) takes one chunk of BLOCK_M rows of one expert's group
   (the groups' chunks in expert order; each program finds its own from offs_E, E loads and a prefix sum; a grid of
   `chunk_programs` = min(S, S // BLOCK_M + min(E, S)) bounds them all, so it is static, and the programs past the
