@@ -416,10 +416,11 @@ def part_run(model, args, rng, B: int, out_dir: Path) -> dict:
 
 
 def part_runs(model, args, rng, B: int, n: int) -> dict:
-    """n timed runs of B prompts (vs_transformers_decode.py's decode part: 512-token prompts, `--decode-tokens` greedy
-    tokens, new prompts each run, one untimed run first), each with what could make one run's prefill slower than
-    another's: the caching allocator's device allocations, frees and retries during the run, Python's garbage
-    collections during it (count and ms by generation), and the SM clock (NVML) just before it starts."""
+    """n timed runs of B prompts of 512 tokens, `--decode-tokens` greedy tokens each, timed as
+    vs_transformers_decode.py's decode part times a run (here with new prompts every run, after one untimed run), each
+    with what could make one run's prefill slower than another's: the caching allocator's device allocations, frees,
+    retries and synchronisations of all streams during the run, Python's garbage collections during it (generation and
+    ms of each), and the SM clock (NVML; None without pynvml) just before it starts."""
     import gc
 
     from bench.vs_transformers_decode import timed_engine_run
@@ -442,7 +443,10 @@ def part_runs(model, args, rng, B: int, n: int) -> dict:
             prompts = random_prompts(B, 512, model.config.vocab_size, rng)
             pauses.clear()
             before = torch.cuda.memory_stats()
-            clock = torch.cuda.clock_rate()
+            try:
+                clock = torch.cuda.clock_rate()
+            except ModuleNotFoundError:  # pynvml is not installed
+                clock = None
             seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
             after = torch.cuda.memory_stats()
             ttft = max(r.first_token_at for r in reqs) - min(r.submitted_at for r in reqs)
@@ -604,7 +608,7 @@ def part_mla() -> dict:
         q = torch.randn(B, H, r + rope, device="cuda", dtype=torch.bfloat16)
         it = iter(range(10 ** 9))
         ref = paged_latent_attention(q, pools[0], table, visible, 0.07, r, H)
-        default = (split_keys(B, -(-H // BLOCK_M), P * page)[0], mla_decode.BLOCK_N)
+        default = (split_keys(B, -(-H // BLOCK_M), P * page, page_size=page)[0], mla_decode.BLOCK_N)
         row = {"default_splits": default[0]}
 
         def sweep_point(splits: int, block_n: int, warps: int, stages: int):

@@ -21,7 +21,7 @@ at batch 64 the gather, scores, mask, softmax and p @ c took ~130 us an MLA laye
   sum_s exp(m_s - m) l_s.
 
 Splitting the keys gives a small batch enough programs (flash-decoding); the split count is a function of the static
-shapes only (B, T*H, P * page_size: `split_keys`), so a captured CUDA graph replays it for any lengths.
+shapes only (B, T*H, P and page_size: `split_keys`), so a captured CUDA graph replays it for any lengths.
 
 Visibility (serve/static.py `StepBuffers.mask`): `visible` [B] is the number of keys the row's last new token sees
 (its cached tokens plus its T new ones); new token t sees keys 0 .. visible - (T - t) - 1, the causal rule of a
@@ -92,8 +92,10 @@ STAGES = 3
 TARGET_PROGRAMS, MAX_SPLITS = 256, 128
 # A program holds its split's page numbers in registers and picks each key's from them with a [BLOCK_N, BLOCK_P]
 # comparison, so at long contexts the splits are made short enough that a split's keys lie on about this many pages
-# (kimi-linear-1.5b at batch 64 with 32K-token rows and pages of 64: 9 splits instead of 4). Past MAX_SPLITS a split
-# takes more pages (correct, with a wider comparison).
+# (kimi-linear-1.5b at batch 64 with 32K-token rows and pages of 64: 9 splits instead of 4). BLOCK_P, the next power
+# of two of a split's pages + 1, can still reach 128 (pages of 16 at BLOCK_N 64, or pages of 7 or fewer), and past
+# MAX_SPLITS it grows with the row: correct, but sm_90 then spills (compiled at batch 64: 186 registers at BLOCK_P 8,
+# 244 at 64, 250 at 128, a 48-byte stack at 256, a 1M-token row; not timed).
 SPLIT_PAGES = 62
 BLOCK_COMBINE = 64  # the combine: R elements a program (grid B x T*H x R / BLOCK_COMBINE)
 
@@ -246,7 +248,7 @@ if triton is not None:
             k_pe = tl.load(rows[:, None] + R + pe[None, :], mask=n_ok[:, None] & (pe < PE)[None, :],
                            other=0.0).to(dtype)
             s = (_dot(q_lat, tl.trans(c), UPCAST) + _dot(q_pe, tl.trans(k_pe), UPCAST)) * scale
-            s = tl.where(n[None, :] < limit[:, None], s, float("-inf"))
+            s = tl.where((n[None, :] < limit[:, None]) & n_ok[None, :], s, float("-inf"))  # (n_ok: past S too)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp(-inf - 0) = 0, not NaN
             alpha = tl.exp(m_i - m_safe)

@@ -11,8 +11,8 @@ kimi-linear-1.5b's shapes (E = 32, F = 512, D = 1536, K = 4, bf16) at batch 64 (
 - ordering, grid (S + E) / BLOCK_ORDER: the stable sort of the slots by expert, by counting: the row of slot s is
   the number of slots j with (e_j, j) < (e_s, s), and the end row of expert e the number with e_j <= e. Writes
   order_S (row -> slot), row_S (slot -> row) and offs_E (end rows). O(S^2) comparisons, nothing at these sizes
-  (S = 1024: a million, spread over 33 programs; the loop over the slots unrolled, S a compile-time constant). Ids
-  are clamped to 0..E-1 as the GEMV kernels clamp them.
+  (S = 1024: a million, spread over 33 programs; the loop over the slots unrolled to S rounded up to a power of
+  two). Ids are clamped to 0..E-1 as the GEMV kernels clamp them.
 - kernel 1 (gate/up), grid (chunks, F tiles): program (p, f) takes one chunk of BLOCK_M rows of one expert's group
   (the groups' chunks in expert order; each program finds its own from offs_E, E loads and a prefix sum; a grid of
   `chunk_programs` = min(S, S // BLOCK_M + min(E, S)) bounds them all, so it is static, and the programs past the
@@ -86,10 +86,11 @@ STAGES = (3, 3)  # Triton's default on the GPU
 # shapes only, so a captured graph keeps it.
 BLOCK_M_MIN, BLOCK_M_MAX = 16, 64
 # The ordering kernel: queries (slots or experts) a program x slots compared a step. NOTE: measured on one H200
-# (seventeenth session, 15 calls in a CUDA graph, by a probe since removed: commit 49b8be9's `decode_probe.py
-# variants:router`, printed in bench/results/decode_probe/seventeenth/call1_log.txt): with the loop over the slots a
-# runtime one (S an argument) and 64, 4.60 us a call at S = 256 (2.46 at 64, 13.08 at 1024); unrolled, 32: 3.38
-# (1.72, 9.98); unrolled, 64: 4.33 (2.28, 12.28); unrolled, 128: 30.73 (3.44, 122.34).
+# (seventeenth session, 15 calls in a CUDA graph, by a session probe not committed; its printout is in
+# bench/results/decode_probe/seventeenth/call1_log.txt): with the loop over the slots a runtime one (S an argument)
+# and 64, 4.60 us a call at S = 256 (2.46 at 64, 13.08 at 1024); unrolled with S a compile-time constant, 32: 3.38
+# (1.72, 9.98); 64: 4.33 (2.28, 12.28); 128: 30.73 (3.44, 122.34). The kernel now unrolls to S_MAX, S rounded up to
+# a power of two, with S an argument (fewer compiles): at these S, all powers of two, the same loop; not timed again.
 BLOCK_ORDER = 32
 
 
@@ -116,17 +117,18 @@ def chunk_programs(S: int, E: int, block_rows: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _order_kernel(idx_ptr, order_ptr, row_ptr, offs_ptr, S: tl.constexpr, E, BLOCK: tl.constexpr):
+    def _order_kernel(idx_ptr, order_ptr, row_ptr, offs_ptr, S, E, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
         """Queries q < S are slots: row[q] = #{j : (e_j, j) < (e_q, q)}, order[row[q]] = q. Queries S + e are
         experts: offs[e] = #{j : e_j <= e}. Both counts of one comparison, key_j < key_q with key = e * S + slot:
-        an expert's key is (e + 1) * S. S is a compile-time constant (one compile per batch bucket), so the loop
-        over the slots unrolls and its loads are all in flight at once (module docstring's NOTE)."""
+        an expert's key is (e + 1) * S. The loop over the slots runs to S_MAX >= S, a compile-time power of two, so
+        it unrolls and its loads are all in flight at once (BLOCK_ORDER's NOTE), with one compile per power of two
+        (eager forwards at every batch size: 6 between the GEMV kernels' 16 slots and BY_EXPERT_MAX_SLOTS)."""
         q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         is_slot = q < S
         e_q = tl.minimum(tl.maximum(tl.load(idx_ptr + q, mask=is_slot, other=0).to(tl.int64), 0), E - 1)
         key_q = tl.where(is_slot, e_q * S + q, (q - S + 1).to(tl.int64) * S)
         count = tl.zeros((BLOCK,), dtype=tl.int32)
-        for j0 in tl.static_range(0, S, BLOCK):
+        for j0 in tl.static_range(0, S_MAX, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             j_mask = j < S
             e_j = tl.minimum(tl.maximum(tl.load(idx_ptr + j, mask=j_mask, other=0).to(tl.int64), 0), E - 1)
@@ -252,7 +254,8 @@ def expert_rows(topk_idx_TK: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
     order_S = torch.empty(S, dtype=torch.int32, device=idx_S.device)
     row_S = torch.empty_like(order_S)
     offs_E = torch.empty(E, dtype=torch.int32, device=idx_S.device)
-    _order_kernel[(triton.cdiv(S + E, BLOCK_ORDER),)](idx_S, order_S, row_S, offs_E, S, E, BLOCK=BLOCK_ORDER)
+    _order_kernel[(triton.cdiv(S + E, BLOCK_ORDER),)](idx_S, order_S, row_S, offs_E, S, E,
+                                                       S_MAX=triton.next_power_of_2(S), BLOCK=BLOCK_ORDER)
     return order_S, row_S, offs_E
 
 

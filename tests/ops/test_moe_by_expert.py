@@ -291,7 +291,7 @@ def test_kernels_compile_for_sm90_pipelined_without_spills(block_m, act):
     down = compile_for_sm90(moe_by_expert._down_kernel, types,
                             {**common, "stride_wf": 1, "BLOCK_D": moe_by_expert.BLOCK_D,
                              "BLOCK_F": moe_by_expert.BLOCK_F2}, divisible=("stride_we", "stride_wd"), ttgir=ttgir)
-    order = compile_for_sm90(moe_by_expert._order_kernel, types, {"S": 256, "BLOCK": moe_by_expert.BLOCK_ORDER})
+    order = compile_for_sm90(moe_by_expert._order_kernel, types, {"S_MAX": 256, "BLOCK": moe_by_expert.BLOCK_ORDER})
     for usage in (gate_up, down, order):
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
     assert all("async_copy_global_to_local" in ir for ir in ttgir)
