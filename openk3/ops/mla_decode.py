@@ -235,7 +235,8 @@ if triton is not None:
         lo = split * KEYS
         first = lo // PAGE
         ps = tl.arange(0, BLOCK_P)
-        split_pages = tl.load(table_ptr + b * stride_tb + first + ps, mask=first + ps < S // PAGE, other=0).to(tl.int64)
+        split_pages = tl.load(table_ptr + b * stride_tb + first + ps, mask=first + ps < S // PAGE,
+                              other=0).to(tl.int64)
         hi = tl.minimum(tl.minimum(lo + KEYS, visible), S)  # the split's last key the row sees, + 1
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             n = n0 + tl.arange(0, BLOCK_N)
