@@ -423,7 +423,7 @@ def part_runs(model, args, rng, B: int, n: int) -> dict:
     ms of each), and the SM clock (NVML; None without pynvml) just before it starts."""
     import gc
 
-    from bench.vs_transformers_decode import timed_engine_run
+    from bench.vs_transformers_decode import prefill_and_step, timed_engine_run
 
     engine = engine_for(model, args, B, prefix_cache=False)
     engine.generate(random_prompts(B, 512, model.config.vocab_size, rng), greedy(args.decode_tokens))  # captures
@@ -449,10 +449,9 @@ def part_runs(model, args, rng, B: int, n: int) -> dict:
                 clock = None
             seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
             after = torch.cuda.memory_stats()
-            ttft = max(r.first_token_at for r in reqs) - min(r.submitted_at for r in reqs)
-            rest = max(r.finished_at for r in reqs) - max(r.first_token_at for r in reqs)
+            ttft, ms_per_step = prefill_and_step(reqs, args.decode_tokens)
             run = {"tokens_per_s": sum(len(r.output) for r in reqs) / seconds, "prefill_ms": 1e3 * ttft,
-                   "ms_per_step": 1e3 * rest / (args.decode_tokens - 1), "sm_clock_mhz_before": clock,
+                   "ms_per_step": ms_per_step, "sm_clock_mhz_before": clock,
                    "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in keys},
                    "gc": [{"generation": g, "ms": round(ms, 3)} for g, ms in pauses]}
             runs.append(run)

@@ -168,6 +168,14 @@ def timed_engine_run(engine: Engine, prompts: list[list[int]], tokens: int, devi
     return time.perf_counter() - t0, reqs
 
 
+def prefill_and_step(reqs: list, tokens: int) -> tuple[float, float]:
+    """The split of a run's submit-to-last-token: (seconds to the last request's first token, the prefill; ms a
+    decode step after it, over the tokens - 1 steps that follow)."""
+    ttft = max(r.first_token_at for r in reqs) - min(r.submitted_at for r in reqs)
+    after = max(r.finished_at for r in reqs) - max(r.first_token_at for r in reqs)
+    return ttft, 1e3 * after / (tokens - 1)
+
+
 @torch.inference_mode()
 def timed_hf_generate(hf, prompts: list[list[int]], tokens: int, device) -> tuple[float, list[list[int]]]:
     """Seconds of transformers' greedy `generate` of `tokens` tokens after each prompt, and the generated ids."""
@@ -198,11 +206,9 @@ def part_decode(model, hf, args, rng) -> dict:
         first, _ = timed_engine_run(engine, prompts, args.decode_tokens, args.device)  # warm-up: graph captures
         seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
         n = sum(len(r.output) for r in reqs)
-        # the split of submit-to-last-token: prefill (to the last request's first token) and the decode after it
-        ttft = max(r.first_token_at for r in reqs) - min(r.submitted_at for r in reqs)
-        after = max(r.finished_at for r in reqs) - max(r.first_token_at for r in reqs)
+        ttft, ms_per_step = prefill_and_step(reqs, args.decode_tokens)
         row = {"openk3_tokens_per_s": n / seconds, "openk3_seconds": seconds, "openk3_first_run_seconds": first,
-               "openk3_ttft_s": ttft, "openk3_decode_ms_per_step": 1e3 * after / (args.decode_tokens - 1),
+               "openk3_ttft_s": ttft, "openk3_decode_ms_per_step": ms_per_step,
                "openk3_decode_path": engine.decode_path, "generated_tokens": n,
                "openk3_decoder": dict(engine.target.decoder.counters) if engine.target.decoder else None}
         if hf is not None:
