@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -299,29 +300,36 @@ class StepBuffers:
         """Copy a step's inputs in: row b appends tokens[b] (T of them) after its seqs[b].length cached tokens,
         its KDA state in slot slots[b]; `per_row` the other PER_ROW inputs by name (missing ones 0), `floats`
         [temperatures, top_ps]. Rows past len(seqs) pad the bucket."""
-        n, T, ps, pad = len(seqs), self.T, page_size, [0] * (self.B - len(seqs))
-        # NOTE: built from a few Python lists made tensors once, the per-token columns by tensor ops on the host. On
-        # the 2-core CPU here a prefill chunk of 16 rows x 512 tokens took 6.8 ms with a Python list per token (the
-        # fill before; the H200 idled through ~5.7 ms of it each chunk, bench/decode_probe.py run:64), 1.6 ms now;
-        # a decode step's fill (T = 1) ~37 us at batch 1 and ~225 us at batch 64, against ~20 and ~234 before (the
-        # host's slack while the step before runs on the device; a tensor per row had taken 465 us at batch 64)
+        n, T, ps, B = len(seqs), self.T, page_size, self.B
+        # NOTE: built in numpy, a few array ops in one block, then one upload of it (and the table's). On the H200's
+        # host the torch version of this (torch.tensor of the ids, then stack / gather / cat / reshape on CPU
+        # tensors) took 6-23 ms for a prefill chunk of 64 rows x 512 tokens, which the device idled through
+        # (bench/results/decode_probe/eighteenth); torch.tensor of 32K Python ints alone took ~3 ms on this repo's
+        # 2-core CPU, np.array ~0.4 ms.
         short = [b for b, s in enumerate(seqs) if len(s.pages) * ps < s.length + T]
         if short:  # (the engine grows the page tables first: `_launch`)
             raise ValueError(f"row {short[0]}'s {len(seqs[short[0]].pages)} pages do not cover positions up to "
                              f"{seqs[short[0]].length + T - 1} (page size {ps})")
-        lengths = [s.length for s in seqs]
+        lengths = np.array([s.length for s in seqs], dtype=np.int64)
+        table = np.zeros((B, self.P), dtype=np.int64)
+        for b, s in enumerate(seqs):
+            table[b, :len(s.pages)] = s.pages
+        block = np.zeros((len(self.PER_TOKEN) * T + len(self.PER_ROW), B), dtype=np.int64)  # `ints`' layout
+        pos = lengths[:, None] + np.arange(T)  # [n, T]: each new token's position; padding rows stay all zero
+        block[:T, :n] = np.array(tokens, dtype=np.int64).reshape(n, T).T
+        block[T:2 * T, :n] = np.take_along_axis(table[:n], pos // ps, 1).T
+        block[2 * T:3 * T, :n] = (pos % ps).T
         rows = dict(per_row or {}, slots=slots, lengths=lengths)
-        table = torch.tensor([s.pages + [0] * (self.P - len(s.pages)) for s in seqs] + [[0] * self.P] * len(pad))
-        pos = torch.tensor(lengths + pad)[:, None] + torch.arange(T)  # [B, T]: each new token's position
-        per_token = torch.stack([torch.tensor(tokens + [[0] * T] * len(pad)), table.gather(1, pos // ps), pos % ps])
-        per_token[1:, n:] = 0  # a padding row writes to the zero page's first slot
-        row_ints = torch.tensor([list(rows[name]) + pad if name in rows else [0] * self.B for name in self.PER_ROW])
+        for i, name in enumerate(self.PER_ROW):
+            if name in rows:
+                block[3 * T + i, :n] = rows[name]
         # through pinned memory on CUDA: a plain copy would wait for the step in flight (cache.py `upload`)
-        upload(self.ints, torch.cat([per_token.transpose(1, 2).reshape(-1, self.B), row_ints]))
-        upload(self.table, table)
+        upload(self.ints, torch.from_numpy(block))
+        upload(self.table, torch.from_numpy(table))
         if floats is not None:
-            upload(self.floats, torch.tensor([list(f) + pad for f in floats], dtype=torch.float64))
-
+            host = np.zeros((len(floats), B), dtype=np.float64)
+            host[:, :n] = floats
+            upload(self.floats, torch.from_numpy(host))
 
 @dataclass
 class Launched:
