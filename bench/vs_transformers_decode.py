@@ -8,7 +8,8 @@ flatter the numbers) is written once with openk3's `save_pretrained`; for a Kimi
 names and config.json, which transformers' `KimiLinearForCausalLM` loads. Then, each part timed both ways:
 
   decode            tokens/s at batch 1/4/16/64: 512-token prompts, 128 greedy tokens, time from submit to the
-                    last token (engine: continuous batching and its default decode path; transformers `generate`);
+                    last token (engine: continuous batching and its default decode path, the median of
+                    --decode-runs timed runs after two untimed ones; transformers `generate`, one timed run);
   prefill           time to the first token of one prompt of 8K/32K/64K tokens;
   prefix_hit_ttft   time to first token of a 32K-token turn cold vs after a prefix hit (engine only: transformers
                     has no prefix cache across calls), and the host split of another hit turn (`hit_host_split`);
@@ -203,28 +204,40 @@ def part_decode(model, hf, args, rng) -> dict:
     engine = engine_for(model, args, max(args.batch_sizes), prefix_cache=False)
     for B in args.batch_sizes:
         prompts = random_prompts(B, args.prompt_len, V, rng)
-        first, _ = timed_engine_run(engine, prompts, args.decode_tokens, args.device)  # warm-up: graph captures
-        seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
+        # two untimed runs: the first captures the bucket's CUDA graphs; the second lets the caching allocator settle
+        # (on the H200 the first run after the captures still made ~89 device allocations, adding ~30 ms to a
+        # batch-64 prefill, bench/results/decode_probe/eighteenth); then `--decode-runs` timed runs, the median
+        # reported and every run listed
+        first, _ = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
+        timed_engine_run(engine, prompts, args.decode_tokens, args.device)
+        runs = []
+        for _ in range(args.decode_runs):
+            seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
+            ttft, ms_per_step = prefill_and_step(reqs, args.decode_tokens)
+            runs.append((sum(len(r.output) for r in reqs) / seconds, seconds, ttft, ms_per_step, reqs))
+        rate, seconds, ttft, ms_per_step, reqs = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         n = sum(len(r.output) for r in reqs)
-        ttft, ms_per_step = prefill_and_step(reqs, args.decode_tokens)
-        row = {"openk3_tokens_per_s": n / seconds, "openk3_seconds": seconds, "openk3_first_run_seconds": first,
+        row = {"openk3_tokens_per_s": rate, "openk3_seconds": seconds, "openk3_first_run_seconds": first,
                "openk3_ttft_s": ttft, "openk3_decode_ms_per_step": ms_per_step,
+               "openk3_runs": [{"tokens_per_s": r[0], "seconds": r[1], "ttft_s": r[2], "decode_ms_per_step": r[3]}
+                               for r in runs],
                "openk3_decode_path": engine.decode_path, "generated_tokens": n,
                "openk3_decoder": dict(engine.target.decoder.counters) if engine.target.decoder else None}
         if hf is not None:
             timed_hf_generate(hf, prompts[:1], 4, args.device)  # warm-up
             hs, hf_out = timed_hf_generate(hf, prompts, args.decode_tokens, args.device)
             row.update(transformers_tokens_per_s=B * args.decode_tokens / hs, transformers_seconds=hs,
-                       speedup=(n / seconds) / (B * args.decode_tokens / hs),
+                       speedup=rate / (B * args.decode_tokens / hs),
                        greedy_tokens_agreeing_with_transformers=[agreeing_prefix(r.output, o)
                                                                  for r, o in zip(reqs, hf_out)])
         out[str(B)] = row
         hf_rate = f"{row['transformers_tokens_per_s']:10.1f}" if hf is not None else f"{'-':>10s}"
         if B == args.batch_sizes[0]:
             print(f"  openk3 decode path: {engine.decode_path}")
-        print(f"  batch {B:3d}: transformers {hf_rate} tok/s   openk3 {row['openk3_tokens_per_s']:10.1f} tok/s "
-              f"(prefill {1e3 * ttft:.1f} ms, then {row['openk3_decode_ms_per_step']:.2f} ms a step; first run, with "
-              f"any graph captures: {first:.2f} s)", flush=True)
+        print(f"  batch {B:3d}: transformers {hf_rate} tok/s   openk3 {row['openk3_tokens_per_s']:10.1f} tok/s, median "
+              f"of {len(runs)} (prefill {1e3 * ttft:.1f} ms, then {row['openk3_decode_ms_per_step']:.2f} ms a step; "
+              f"runs {', '.join(f'{r[0]:.0f}' for r in runs)}; first run, with any graph captures: {first:.2f} s)",
+              flush=True)
     return out
 
 
@@ -638,6 +651,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="[1 4 16 64; quick: 1 4]")
     p.add_argument("--prompt-len", type=int, default=None, help="[512; quick: 32]")
     p.add_argument("--decode-tokens", type=int, default=None, help="[128; quick: 16]")
+    p.add_argument("--decode-runs", type=int, default=3,
+                   help="timed engine runs a batch size in the decode part, after two untimed ones; the median is "
+                        "reported [3]")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None, help="[8192 32768 65536; quick: 256]")
     p.add_argument("--ttft-len", type=int, default=None, help="tokens of the prefix-hit turn [32768; quick: 512]")
     p.add_argument("--draft-layers", type=int, default=None,
@@ -688,6 +704,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or ([1, 4] if q else [1, 4, 16, 64])
     args.prompt_len = args.prompt_len or (32 if q else 512)
     args.decode_tokens = args.decode_tokens or (16 if q else 128)
+    if args.decode_runs < 1:
+        raise SystemExit(f"--decode-runs {args.decode_runs}: must be at least 1")
     if args.decode_tokens < 2:  # part_decode's per-step time is over the decode_tokens - 1 steps after the prefill
         raise SystemExit(f"--decode-tokens {args.decode_tokens}: must be at least 2 (a step after the prefill)")
     args.prefill_lengths = args.prefill_lengths or ([256] if q else [8192, 32768, 65536])
