@@ -205,7 +205,7 @@ def part_decode(model, hf, args, rng) -> dict:
     for B in args.batch_sizes:
         prompts = random_prompts(B, args.prompt_len, V, rng)
         # two untimed runs: the first captures the bucket's CUDA graphs; the second lets the caching allocator settle
-        # (on the H200 the first run after the captures still made ~89 device allocations, adding ~30 ms to a
+        # (on the H200 the first run after the captures still made 88-90 device allocations, adding ~30 ms to a
         # batch-64 prefill, bench/results/decode_probe/eighteenth); then `--decode-runs` timed runs, the median
         # reported and every run listed
         first, _ = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
@@ -215,7 +215,8 @@ def part_decode(model, hf, args, rng) -> dict:
             seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
             ttft, ms_per_step = prefill_and_step(reqs, args.decode_tokens)
             runs.append((sum(len(r.output) for r in reqs) / seconds, seconds, ttft, ms_per_step, reqs))
-        rate, seconds, ttft, ms_per_step, reqs = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        # the median run (of an even count, the slower of the two middle ones)
+        rate, seconds, ttft, ms_per_step, reqs = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
         n = sum(len(r.output) for r in reqs)
         row = {"openk3_tokens_per_s": rate, "openk3_seconds": seconds, "openk3_first_run_seconds": first,
                "openk3_ttft_s": ttft, "openk3_decode_ms_per_step": ms_per_step,
@@ -652,8 +653,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="[512; quick: 32]")
     p.add_argument("--decode-tokens", type=int, default=None, help="[128; quick: 16]")
     p.add_argument("--decode-runs", type=int, default=3,
-                   help="timed engine runs a batch size in the decode part, after two untimed ones; the median is "
-                        "reported [3]")
+                   help="timed engine runs a batch size in the decode part, after two untimed ones; the median run is "
+                        "reported (of an even count the slower of the two middle ones) [3]")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None, help="[8192 32768 65536; quick: 256]")
     p.add_argument("--ttft-len", type=int, default=None, help="tokens of the prefix-hit turn [32768; quick: 512]")
     p.add_argument("--draft-layers", type=int, default=None,

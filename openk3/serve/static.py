@@ -331,6 +331,7 @@ class StepBuffers:
             host[:, :n] = floats
             upload(self.floats, torch.from_numpy(host))
 
+
 @dataclass
 class Launched:
     """A decode step queued on the device (`StaticDecoder.launch`): its sampled tokens [B] (long) on the device for a

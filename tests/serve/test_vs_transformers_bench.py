@@ -25,6 +25,9 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) >= {"hardware", "decode", "prefill", "prefix_hit_ttft", "speculative", "memory", "router"}
     assert data["decode"]["3"]["generated_tokens"] == 18 and data["decode"]["1"]["openk3_tokens_per_s"] > 0
+    for row in data["decode"].values():  # the reported run is the median of the timed runs (3 by default)
+        rates = sorted(r["tokens_per_s"] for r in row["openk3_runs"])
+        assert len(rates) == 3 and row["openk3_tokens_per_s"] == rates[1]
     for row in data["decode"].values():  # the prefill + the 5 steps after it lie within the timed run
         split = row["openk3_ttft_s"] + 5 * row["openk3_decode_ms_per_step"] / 1e3
         assert row["openk3_ttft_s"] > 0 and row["openk3_decode_ms_per_step"] > 0 and split <= row["openk3_seconds"]
@@ -37,6 +40,8 @@ def test_bench_smoke_on_cpu_writes_every_part(tmp_path):
     main(["--config", "tiny", "--skip-transformers", "--out", str(out), "--parts", "memory", *SMALL])
     again = json.loads(out.read_text())
     assert again["decode"] == data["decode"]  # a run of other parts keeps the earlier run's parts
+    with pytest.raises(SystemExit, match="--decode-runs 0"):
+        main(["--config", "tiny", "--skip-transformers", "--out", str(out), *SMALL, "--decode-runs", "0"])
 
 
 @pytest.mark.slow  # 25-40 s on 2 cores: two trainings of 40 steps
