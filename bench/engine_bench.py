@@ -52,7 +52,7 @@ def hardware(device: torch.device) -> dict:
             "cpu_cores": os.cpu_count(), "cpu_threads_used": torch.get_num_threads(),
             "kda_backend": str(select_kda_backend(device)),
             # which checkout ran: a copy of another version first on PYTHONPATH is shadowed by this script's own
-            # (sys.path above; docs/engine.md, fifteenth session)
+            # (sys.path above; docs/engine_h200_log.md, fifteenth session)
             "openk3": str(Path(openk3.__file__).resolve().parent)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -345,11 +345,11 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
 
 # Opt-in (=1): a cached chunk's attention through cuDNN (`prefix_causal_attention`). NOTE: cuDNN builds an execution
 # plan for every new shape, and a cached chunk's shape (T new tokens, S keys) is new for nearly every prompt length and
-# prefix hit: on the H200 a first call at a new shape took 126-1,605 ms, a repeat 0.3-8 ms against varlen flash's
-# 0.4-20 ms (docs/engine.md, eighth session). It pays where shapes repeat (long prompts in full chunks: S = n x chunk),
-# not for a server's varied prompts; hence off by default. TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch's ragged cuDNN
-# path, meant to avoid the rebuilds) made every first call ~73 ms instead (72.5-75.5 ms at the five shapes that took
-# 78-1,597 ms without it; ninth session): still far above flash's, so still off.
+# prefix hit: on the H200 a first call at a new shape took 126-1,605 ms, a repeat 0.3-8 ms against varlen flash's 0.4-20
+# ms (docs/engine_h200_log.md, eighth session). It pays where shapes repeat (long prompts in full chunks: S = n x
+# chunk), not for a server's varied prompts; hence off by default. TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch's ragged
+# cuDNN path, meant to avoid the rebuilds) made every first call ~73 ms instead (72.5-75.5 ms at the five shapes that
+# took 78-1,597 ms without it; ninth session): still far above flash's, so still off.
 CUDNN_PREFIX_ENV = "OPENK3_CUDNN_PREFIX_ATTENTION"
 
 
@@ -690,11 +690,11 @@ class GatedMLA(nn.Module):
         if (causal and mask is None and S == T and varlen_attention_runs(q)
                 and not (torch.is_grad_enabled() and q.requires_grad)):
             # A prompt's first chunk at inference: the varlen flash kernel, not SDPA's cuDNN kernel first (SDPA_ORDER):
-            # cuDNN builds an execution plan for every new shape, and a server's prompt lengths are new all the time
-            # (on the H200 a first call at a new length took 35.7-542.8 ms where flash took 0.4-1.9 ms; a repeat
-            # 0.07-0.65 ms against 0.13-1.57; docs/engine.md, ninth session). A training step (q needs a gradient)
-            # keeps SDPA's order: its shapes repeat. The keys and values take q's dtype as in the cached branch below
-            # (under autocast the cached k_pe keeps the cache's dtype; varlen is not cast by autocast as SDPA is).
+            # cuDNN builds an execution plan for every new shape, and a server's prompt lengths are new all the time (on
+            # the H200 a first call at a new length took 35.7-542.8 ms where flash took 0.4-1.9 ms; a repeat 0.07-0.65
+            # ms against 0.13-1.57; docs/engine_h200_log.md, ninth session). A training step (q needs a gradient) keeps
+            # SDPA's order: its shapes repeat. The keys and values take q's dtype as in the cached branch below (under
+            # autocast the cached k_pe keeps the cache's dtype; varlen is not cast by autocast as SDPA is).
             cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
             return varlen_causal_attention(q, k.to(q.dtype), v.to(q.dtype), cu, T, self.scale)
         if causal and mask is None and S != T:

@@ -23,7 +23,8 @@ with static shapes, so that on CUDA it can be captured once per batch bucket as 
                    step is `torch.compile`d first (fusing its small ops; the KDA layers then keep their reference
                    chain, see model.py `KimiDeltaAttention.forward`). Off by default, as its first use compiles: on
                    the H200 32 s and 44 s, and then it decoded kimi-linear-1.5b 13% faster than the default at
-                   batch 1 and no faster at batch 16 and 64 (docs/engine.md "On the H200 (2026-12-02, third session)").
+                   batch 1 and no faster at batch 16 and 64 (docs/engine_h200_log.md "On the H200 (2026-12-02,
+                   third session)").
 
 A speculative round of greedy rows (engine.py `_speculate_static`) runs on the same kind of buffers with T tokens a
 row (`StepBuffers`, T = k + 1), in three static runs and one host sync: the draft's `draft` (its k + 1 greedy steps

@@ -5,7 +5,7 @@ A cached forward of many tokens (`KimiDeltaAttention.forward_fused`, openk3/mode
 `causal_conv1d` over the q | k | v projections: a strided view of the fused projections' output, which fla's input
 guard copied contiguous first, and whose output's q, k, v split views `chunk_kda`'s guard copied again. In a
 captured prefill of 16 x 512 tokens on the H200 those copies were 60 of a forward's kernels and 1.6 ms of its
-29.4 ms (docs/engine.md, thirteenth session). Here one launch reads the projections where they are and writes
+29.4 ms (docs/engine_h200_log.md, thirteenth session). Here one launch reads the projections where they are and writes
 contiguous q, k, v [B, T, H, K]:
 
     y[b, t, c] = silu(sum_{s < W} x[b, t - s, c] * w[c, W-1-s])      in fp32 (s = 0 first, as `causal_conv_silu`),

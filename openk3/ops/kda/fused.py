@@ -151,7 +151,7 @@ def recurrent_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta_logits: Ten
 def recurrent_block(B: int) -> tuple[int, int]:
     """(BV, warps) of fla's token-by-token kernel for a decode step of B rows (`recurrent_pool_step`).
     NOTE: measured on one H200 (`decode_probe.py recurrent`, 16 heads of 128, fp32 states from HBM, fourteenth
-    session, docs/engine.md), us a layer's call with fla's wrapper's (32, 4) -> these: batch 1 3.98 -> 2.95 (8
+    session, docs/engine_h200_log.md), us a layer's call with fla's wrapper's (32, 4) -> these: batch 1 3.98 -> 2.95 (8
     programs of 16 columns a head, 128 in all, fill more of the 132 SMs than 64), 16 14.76 -> 12.67, 64 46.66 ->
     42.35 (a copy of the same states, read and written once: 33.6); the best of 12 (BV, warps) pairs from 8 to 128
     and 1 to 8 at each."""
