@@ -210,19 +210,21 @@ def part_decode(model, hf, args, rng) -> dict:
         # reported and every run listed
         first, _ = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
         timed_engine_run(engine, prompts, args.decode_tokens, args.device)
-        runs = []
+        runs, outputs = [], []
         for _ in range(args.decode_runs):
             seconds, reqs = timed_engine_run(engine, prompts, args.decode_tokens, args.device)
             ttft, ms_per_step = prefill_and_step(reqs, args.decode_tokens)
-            runs.append((sum(len(r.output) for r in reqs) / seconds, seconds, ttft, ms_per_step, reqs))
+            n = sum(len(r.output) for r in reqs)
+            runs.append({"tokens_per_s": n / seconds, "seconds": seconds, "ttft_s": ttft,
+                         "decode_ms_per_step": ms_per_step, "generated_tokens": n})
+            outputs.append(reqs)
         # the median run (of an even count, the slower of the two middle ones)
-        rate, seconds, ttft, ms_per_step, reqs = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
-        n = sum(len(r.output) for r in reqs)
-        row = {"openk3_tokens_per_s": rate, "openk3_seconds": seconds, "openk3_first_run_seconds": first,
-               "openk3_ttft_s": ttft, "openk3_decode_ms_per_step": ms_per_step,
-               "openk3_runs": [{"tokens_per_s": r[0], "seconds": r[1], "ttft_s": r[2], "decode_ms_per_step": r[3]}
-                               for r in runs],
-               "openk3_decode_path": engine.decode_path, "generated_tokens": n,
+        median = sorted(range(len(runs)), key=lambda i: runs[i]["tokens_per_s"])[(len(runs) - 1) // 2]
+        run, reqs = runs[median], outputs[median]
+        rate, ttft = run["tokens_per_s"], run["ttft_s"]
+        row = {"openk3_tokens_per_s": rate, "openk3_seconds": run["seconds"], "openk3_first_run_seconds": first,
+               "openk3_ttft_s": ttft, "openk3_decode_ms_per_step": run["decode_ms_per_step"], "openk3_runs": runs,
+               "openk3_decode_path": engine.decode_path, "generated_tokens": run["generated_tokens"],
                "openk3_decoder": dict(engine.target.decoder.counters) if engine.target.decoder else None}
         if hf is not None:
             timed_hf_generate(hf, prompts[:1], 4, args.device)  # warm-up
@@ -235,10 +237,10 @@ def part_decode(model, hf, args, rng) -> dict:
         hf_rate = f"{row['transformers_tokens_per_s']:10.1f}" if hf is not None else f"{'-':>10s}"
         if B == args.batch_sizes[0]:
             print(f"  openk3 decode path: {engine.decode_path}")
+        rates = ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs)
         print(f"  batch {B:3d}: transformers {hf_rate} tok/s   openk3 {row['openk3_tokens_per_s']:10.1f} tok/s, median "
               f"of {len(runs)} (prefill {1e3 * ttft:.1f} ms, then {row['openk3_decode_ms_per_step']:.2f} ms a step; "
-              f"runs {', '.join(f'{r[0]:.0f}' for r in runs)}; first run, with any graph captures: {first:.2f} s)",
-              flush=True)
+              f"runs {rates}; first run, with any graph captures: {first:.2f} s)", flush=True)
     return out
 
 
