@@ -110,6 +110,10 @@ CASES = [  # B, T, H, r, rope, page_size, P, lengths (None: a padding row)
     (2, 4, 8, 32, 16, 8, 4, [17, 3]),  # T*H = 32 query rows: two query blocks
     (2, 1, 2, 16, 8, 3, 16, [40, 7]),  # pages of 3: a block of keys on 6-7 pages, a split on several
     (2, 1, 2, 16, 8, 9, 8, [60, 23]),  # pages of 9: splits of 16 or 32 keys start mid-page (BLOCK_P's + 1)
+    # the call the hard gate's speculative engine made where the H200 gave other tokens (nineteenth session,
+    # docs/engine_h200_log.md): a verification of 2 tokens, pages of 6, 8 table entries; at the engine's BLOCK_N
+    # (32) two splits, the second past both rows' keys, the second row's keys ending inside the first block
+    (2, 2, 2, 16, 8, 6, 8, [23, 10]),
 ]
 
 
@@ -241,6 +245,28 @@ def test_kernel_compiles_for_sm90_with_its_key_loop_pipelined():
     buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x%dx512xbf16" % mla_decode.BLOCK_N, ttgir[0])
     assert buffers == ["2"], buffers
     assert re.search(r"async_wait [^{]*\{num = [1-9]", ttgir[0])
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}-page{c[5]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference_at_small_shapes_on_cuda(case, dtype):
+    """The interpreter's cases compiled for the GPU: the small model of the engine's tests (tests/serve) runs these
+    shapes (2 heads, r = 16, rope = 8, pages of 4-9 tokens) through the kernel in the hard gate, where the
+    interpreter cannot show a GPU-only fault. Every split count from the engine's to 3, keys 16 and 32 a step (the
+    engine's BLOCK_N), against the fp32 reference; every row on its own as well as the whole."""
+    B, T, H, r, rope, page_size, P, lengths = case
+    q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B + T + H,
+                                            device="cuda")
+    want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible, 0.3, r, H)
+    for block_n in (None, 16):
+        for splits in (None, 1, 2, 3):
+            got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=splits, block_n=block_n)
+            assert torch.isfinite(got).all(), (block_n, splits)
+            bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: p and o_lat rounded (2^-9 each)
+            for b in range(B):
+                assert rel_norm_err(got[b], want[b]) < bound, (block_n, splits, b)
 
 
 @cuda
