@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from openk3.model import K3ForCausalLM
@@ -405,11 +405,14 @@ def gate(data, fast: bool, device: str = "cpu", tol: float = 1e-4, dense: bool =
             runner.static_prefill = True
         cold.target.static_prefill = False
     results = [run_conversations(e, convs, max_tokens) for e in (cold, cached, spec)]
-    for turn in zip(*results):
-        for c, h, s in zip(*turn):
-            assert c.output == h.output == s.output
-            assert max(abs(a - b) for a, b in zip(c.logprobs, h.logprobs)) < tol
-            assert max(abs(a - b) for a, b in zip(c.logprobs, s.logprobs)) < tol
+    for t, turn in enumerate(zip(*results)):
+        for i, (c, h, s) in enumerate(zip(*turn)):
+            where = f"turn {t}, conversation {i} (cached tokens: prefix hit {h.cached_tokens}, speculative " \
+                    f"{s.cached_tokens})"
+            assert c.output == h.output == s.output, f"{where}: cold {c.output}, prefix hit {h.output}, " \
+                                                     f"speculative {s.output}"
+            assert max(abs(a - b) for a, b in zip(c.logprobs, h.logprobs)) < tol, where
+            assert max(abs(a - b) for a, b in zip(c.logprobs, s.logprobs)) < tol, where
     for e in (cached, spec):
         assert e.pool.reserved == 0 and not e.running
     if fast and spec.counters["spec_rounds"]:  # greedy rounds on the fast path: static verifications and draft steps
@@ -450,7 +453,11 @@ def test_the_gate_with_graphs_sharing_a_pool(data, overlap, pooled_graphs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dense, overlap", [(True, False), (True, None), (False, None), (False, True)],
                          ids=["dense-graphs", "dense-graphs-overlapped", "moe-eager", "moe-eager-overlapped"])
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# NOTE: no shrinking phase: each example on the GPU takes seconds (three engines, their graph captures), and
+# hypothesis shrank a failing one for minutes on the H200 before it reported (the nineteenth session found a failure
+# three sessions' runs had been cut off in); the first failing example is reported as drawn
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
 def test_the_gate_on_cuda_on_the_fast_path(data, dense, overlap):
     """The hard gate on CUDA with the engines' default there, the fast path (prefill chunks as static runs): with
@@ -470,6 +477,31 @@ def test_the_gate_on_cuda_on_the_fast_path(data, dense, overlap):
                  dense=dense, overlap=overlap)
     assert all(p.startswith("fast, CUDA graphs" if dense else "fast, eager") for p in paths)
     assert all(p.endswith(", overlapped") == (overlap is not False if dense else bool(overlap)) for p in paths[:2])
+
+
+class FixedDraws:
+    """Stands in for hypothesis' `data` in `gate`: its draws, in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gate_example_that_failed_on_the_h200():
+    """The dense-graphs-overlapped case's first failing example on the H200 (nineteenth session): pages of 6, a hash
+    and a KDA checkpoint every 6 tokens, 2 conversations of 3 turns, seed 45947. The speculative engine's second
+    conversation gave [227, 12, 221, 3] in turn 1 where the others gave [227, 12, 221, 205]; the same with the
+    steps synchronised, with CUDA graphs off, with fla's kernels off, without spare rows and without fused
+    projections, but not with the MLA layers' pages gathered (OPENK3_MLA_KERNEL=0) instead of the paged kernel. Its
+    kernel calls that no other engine of the example made (recorded on the CPU) are the ones of 2 rows with 2 key
+    splits (docs/engine_h200_log.md). On the CPU, and with the kernel in Triton's interpreter, it passes."""
+    from openk3.ops import select_kda_backend
+    gate(FixedDraws(6, 6, 1, 2, 3, 45947), fast=True, device="cuda", dense=True,
+         tol=1e-2 if select_kda_backend("cuda").name == "fla" else 1e-4)
 
 
 def test_the_gate_sees_hits_and_evictions():
