@@ -110,10 +110,11 @@ CASES = [  # B, T, H, r, rope, page_size, P, lengths (None: a padding row)
     (2, 4, 8, 32, 16, 8, 4, [17, 3]),  # T*H = 32 query rows: two query blocks
     (2, 1, 2, 16, 8, 3, 16, [40, 7]),  # pages of 3: a block of keys on 6-7 pages, a split on several
     (2, 1, 2, 16, 8, 9, 8, [60, 23]),  # pages of 9: splits of 16 or 32 keys start mid-page (BLOCK_P's + 1)
-    # the call the hard gate's speculative engine made where the H200 gave other tokens (nineteenth session,
-    # docs/engine_h200_log.md): a verification of 2 tokens, pages of 6, 8 table entries; at the engine's BLOCK_N
-    # (32) two splits, the second past both rows' keys, the second row's keys ending inside the first block
+    # the hard gate's speculative engine's calls at the example where the H200 gave other tokens (nineteenth
+    # session, docs/engine_h200_log.md): pages of 6, 8 table entries (48 keys); at the engine's BLOCK_N (32) two
+    # splits, the second (keys 32-47) past both rows' keys: its verification of 2 tokens, its draft's step
     (2, 2, 2, 16, 8, 6, 8, [23, 10]),
+    (2, 1, 2, 16, 8, 6, 8, [24, 11]),
 ]
 
 
@@ -121,10 +122,11 @@ CASES = [  # B, T, H, r, rope, page_size, P, lengths (None: a padding row)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}")
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_interpreted_kernel_matches_the_reference(case, splits, dtype):
+@pytest.mark.parametrize("block_n", [16, None], ids=["keys16", "keys-default"])
+def test_interpreted_kernel_matches_the_reference(case, splits, dtype, block_n):
     B, T, H, r, rope, page_size, P, lengths = case
     q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B + T + H)
-    got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=splits, block_n=16)
+    got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=splits, block_n=block_n)
     want = paged_latent_attention_reference(q, pages.nan_to_num(0.0), table, visible, 0.3, r, H)
     assert got.dtype == dtype and got.shape == (B, T * H, r)
     assert torch.isfinite(got).all()  # the NaN pages past each row's keys were never read
@@ -255,7 +257,7 @@ def test_kernel_matches_the_reference_at_small_shapes_on_cuda(case, dtype):
     """The interpreter's cases compiled for the GPU: the small model of the engine's tests (tests/serve) runs these
     shapes (2 heads, r = 16, rope = 8, pages of 4-9 tokens) through the kernel in the hard gate, where the
     interpreter cannot show a GPU-only fault. Every split count from the engine's to 3, keys 16 and 32 a step (the
-    engine's BLOCK_N), against the fp32 reference; every row on its own as well as the whole."""
+    engine's BLOCK_N), each row against the fp32 reference."""
     B, T, H, r, rope, page_size, P, lengths = case
     q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B + T + H,
                                             device="cuda")

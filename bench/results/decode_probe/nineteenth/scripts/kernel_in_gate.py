@@ -28,7 +28,7 @@ def checked(q_cat, pages, table, visible, scale, r, heads):
     err = [((got[b].float() - want[b]).norm() / want[b].norm().clamp(min=1e-30)).item() for b in range(B)]
     splits, keys = md.split_keys(B, -(-M // md.BLOCK_M), table.shape[1] * pages.shape[1], md.BLOCK_N, pages.shape[1])
     seen[0] += 1
-    if max(err) > 1e-4:
+    if not (all(e <= 1e-4 for e in err) and torch.isfinite(got).all()):  # (a NaN error compares False)
         bad.append(dict(call=seen[0], B=B, T=M // heads, P=table.shape[1], splits=splits, keys=keys, err=err,
                         visible=visible.tolist(), table=table.tolist(), pages_stride=list(pages.stride())))
         print(json.dumps(bad[-1]), flush=True)

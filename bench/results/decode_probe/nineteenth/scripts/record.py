@@ -1,5 +1,8 @@
 """Record every paged MLA call of the failing gate example's engines on the CPU (the kernel's place taken by the
-gather reference, which has the same signature), to see which call shapes only the speculative engine makes."""
+gather reference, which has the same signature), to see which call shapes only the speculative engine makes.
+argv: [pool pages, or "tiny" for the gate's tiny pool (the default)] [JSON out path]. The calls' tensors go to
+/tmp/mla_calls.pt (for interpret_recorded.py)."""
+import json
 import os
 import random
 import sys
@@ -40,6 +43,8 @@ model = small_model(seed=1, dense=True)
 longest = max(sum(len(u) for u in c) + sum(m) for c, m in zip(convs, max_tokens)) + k
 ckpt_pages = PagePool(model.config, 2, page_size, "meta", torch.float32).checkpoint_pages
 tiny_pool = -(-longest // page_size) + 1 + ckpt_pages + ckpt_pages // 2
+if len(sys.argv) > 1 and sys.argv[1] != "tiny":
+    tiny_pool = int(sys.argv[1])
 shared = dict(page_size=page_size, hash_interval=hash_interval, prefill_chunk=rng.randint(2, 9),
               checkpoint_interval=checkpoint_every and checkpoint_every * hash_interval)
 cached = Engine(model, EngineConfig(num_pages=tiny_pool, fast_decode=True, **shared))
@@ -59,3 +64,10 @@ shapes = Counter((c["tag"], c["B"], c["T"], c["P"], c["splits"], c["keys"]) for 
 for s, n in sorted(shapes.items()):
     print(s, n)
 torch.save(calls, "/tmp/mla_calls.pt")
+if len(sys.argv) > 2:
+    rows = [dict(engine=c["tag"], B=c["B"], T=c["T"], P=c["P"], splits=c["splits"], keys_a_split=c["keys"],
+                 visible=c["visible"], table=c["table"]) for c in calls]
+    with open(sys.argv[2], "w") as f:
+        json.dump(dict(note="every paged MLA call of the failing gate example's prefix-hit and speculative engines, "
+                            "recorded on the CPU (scripts/record.py; the kernel's place taken by the gather "
+                            "reference)", pool_pages=tiny_pool, calls=rows), f, indent=0)
