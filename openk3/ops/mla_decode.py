@@ -11,8 +11,8 @@ at batch 64 the gather, scores, mask, softmax and p @ c took ~130 us an MLA laye
 `paged_latent_attention` reads the pages where they are, in two launches:
 
 - kernel 1, grid (B rows, blocks of BLOCK_M query rows (heads x new tokens), key splits): a program reads its split's
-  entries of the page table once (BLOCK_P pages), then walks the split's keys BLOCK_N at a time (those past the
-  last key the row sees masked, not loaded), each key's page picked from those registers (so no load inside the loop feeds the latents' addresses, and Triton's
+  entries of the page table once (BLOCK_P pages), then walks the split's keys that the row sees BLOCK_N at a time,
+  each key's page picked from those registers (so no load inside the loop feeds the latents' addresses, and Triton's
   pipeliner keeps the next block's latents in flight: see the NOTE at STAGES); it loads the keys' latents once for
   all its query rows ([BLOCK_N, r] and [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online
   softmax (running max and sum in fp32; p = exp(s - max) rounded to the operands' dtype for p @ c, accumulated in
@@ -75,13 +75,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (tests/ops/test_mla_decode.py checks the compiled kernel). Measured on one H200 (a row's 512-640 keys in shuffled
 # pages, 4 layers cycled; bench/results/decode_probe/seventeenth/call3_micro.json), old -> new at 3 stages: batch 64
 # 42.96 -> 38.97 us a call, batch 16 19.93 -> 18.48 (2 stages 17.21), batch 1 7.48 -> 7.82; 4 and 5 stages 47.0 at
-# batch 64. The loop then ended at the row's last visible key (a bound loaded at run time); a loop over all of the
-# split's keys (a compile-time trip count, masked past that key) timed 36.62 / 17.19 / 7.75 us at 3 stages against
-# its 38.97 / 18.48 / 7.82 (`dyn0` / `dyn1` in that JSON). The kernel loops over all of them since the nineteenth
-# session, for correctness: with the run-time bound the hard gate failed on the H200 (pages of 6 only, where the
-# small test model's splits end past its rows' keys and the bounded loop runs zero times; the seventeenth session's
-# kernel, which looped over all keys, passed it), and with this one it has not run on a GPU yet
-# (docs/engine_h200_log.md, nineteenth session).
+# batch 64. A loop over all of the split's keys (masked past `visible`, as before) instead of only those the row sees
+# timed 36.62 / 17.19 / 7.75 at 3 stages; it was not kept, because the GPU tests and the engine ran this one.
 # Still ~1.1 TB/s at batch 64: the kernel is not bound by the memory's bandwidth, and what bounds it is not known.
 # NOTE: the kernel transposed (the keys as the matmuls' M, the query rows as N: s^T = c @ q^T, o^T += c^T @ p^T, so
 # that Triton picks Hopper's wgmma instead of mma at 16 heads) was tried in the seventeenth session and removed:
@@ -217,9 +212,10 @@ if triton is not None:
                       BLOCK_P: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr):
         """Row b, query rows m (token t = m // H), keys [split * KEYS, (split + 1) * KEYS): the online softmax of
         the module docstring. T*H query rows, R + PE the latent's width, S = P * PAGE the table's keys.
-        The shapes are compile-time constants: fixed per model and bucket, and the key loop's trip count is known
-        (KEYS / BLOCK_N); the keys past the split's last key the row sees (`hi`, from `visible`) are masked, not
-        loaded (the NOTE at STAGES says why the loop does not end there)."""
+        The shapes are compile-time constants: fixed per model and bucket. The key loop ends at the split's last key
+        the row sees (from `visible`, a loaded value). NOTE: the interpreter (TRITON_INTERPRET, the CPU tests) with
+        numpy 2.4 cannot loop `range` over a runtime int argument (moe_gemv.py); over a loaded value it can (as
+        ops/moe_by_expert.py's chunk loops)."""
         b = tl.program_id(0).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -242,8 +238,8 @@ if triton is not None:
         split_pages = tl.load(table_ptr + b * stride_tb + first + ps, mask=first + ps < S // PAGE,
                               other=0).to(tl.int64)
         hi = tl.minimum(tl.minimum(lo + KEYS, visible), S)  # the split's last key the row sees, + 1
-        for n0 in tl.range(0, KEYS, BLOCK_N, num_stages=NUM_STAGES):
-            n = lo + n0 + tl.arange(0, BLOCK_N)
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            n = n0 + tl.arange(0, BLOCK_N)
             # NOTE: keys past the row's `visible` are not loaded at all: a masked-out key's latent is multiplied by
             # p = 0 in p @ c, and 0 x NaN (stale bytes in a page past the row's length) would be NaN
             n_ok = n < hi
