@@ -1,21 +1,20 @@
-"""For the next device call (not run yet): the failing hard-gate example's speculative engine with every paged MLA
-call checked against the gather reference as it runs (the kernel's result is what the engine gets, so the flow is
-the failing one). Prints each call whose kernel result differs from the reference by more than 1e-4 (relative, per
-row), with its shapes, splits, visible and table. Run from the repo root: python3 <this file> cuda."""
+"""For the next device call (not run yet): the failing hard-gate example's speculative engine (diag3.py's
+`no_graphs` variant: eager, so Python sees every call) with every paged MLA call checked against the gather
+reference as it runs (the kernel's result is what the engine gets, so the flow is the failing one). Prints each call
+whose kernel result differs from the reference by more than 1e-4 (relative, per row) or is not finite, with its
+shapes, splits, visible and table, then diag3's verdict against the general path. Run from the repo root:
+python3 <this file> cuda."""
 import json
 import os
-import random
 import sys
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
+from diag3 import run  # noqa: E402
 
 import openk3.model.model as mm  # noqa: E402
 from openk3.ops import mla_decode as md  # noqa: E402
-from openk3.serve.cache import PagePool  # noqa: E402
-from openk3.serve.engine import Engine, EngineConfig, early_exit_draft  # noqa: E402
-from tests.serve.test_cache import small_model  # noqa: E402
-from tests.serve.test_engine import run_conversations  # noqa: E402
 
 kernel = md.paged_latent_attention
 bad, seen = [], [0]
@@ -36,22 +35,5 @@ def checked(q_cat, pages, table, visible, scale, r, heads):
 
 
 mm.paged_latent_attention = checked
-device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-page_size, hash_interval, checkpoint_every, n_conv, n_turns, seed = 6, 6, 1, 2, 3, 45947
-rng = random.Random(seed)
-convs = [[[rng.randrange(256) for _ in range(rng.randint(1, 12))] for _ in range(n_turns)] for _ in range(n_conv)]
-max_tokens = [[rng.randint(1, 6) for _ in range(n_turns)] for _ in range(n_conv)]
-k = rng.randint(1, 4)
-model = small_model(seed=1, dense=True).to(device)
-longest = max(sum(len(u) for u in c) + sum(m) for c, m in zip(convs, max_tokens)) + k
-ckpt_pages = PagePool(model.config, 2, page_size, "meta", torch.float32).checkpoint_pages
-tiny_pool = -(-longest // page_size) + 1 + ckpt_pages + ckpt_pages // 2
-shared = dict(page_size=page_size, hash_interval=hash_interval, prefill_chunk=rng.randint(2, 9),
-              checkpoint_interval=checkpoint_every and checkpoint_every * hash_interval)
-spec = Engine(model, EngineConfig(num_pages=tiny_pool, num_draft_tokens=k, fast_decode=True, cuda_graphs=False,
-                                  **shared), draft=early_exit_draft(model, 3))
-for runner in (spec.target, spec.drafter):
-    runner.static_prefill = True
-turns = run_conversations(spec, convs, max_tokens)
-print("outputs", [[r.output for r in t] for t in turns], "calls", seen[0], "bad", len(bad),
-      "kernel" if spec.target.decoder.mla_kernel else "gather (no kernel ran)")
+verdict = run(sys.argv[1] if len(sys.argv) > 1 else "cuda", (6, 6, 1, 2, 3, 45947), "no_graphs")
+print("calls", seen[0], "bad", len(bad), "(no kernel ran)" if not seen[0] else "", json.dumps(verdict, default=str))
