@@ -12,8 +12,8 @@ at batch 64 the gather, scores, mask, softmax and p @ c took ~130 us an MLA laye
 
 - kernel 1, grid (B rows, blocks of BLOCK_M query rows (heads x new tokens), key splits): a program reads its split's
   entries of the page table once (BLOCK_P pages), then walks the split's keys that the row sees BLOCK_N at a time,
-  each key's page picked from those registers (so no load inside the loop feeds the latents' addresses, and Triton's
-  pipeliner keeps the next block's latents in flight: see the NOTE at STAGES); it loads the keys' latents once for
+  each key's page picked from those registers by `tl.gather` (so no load inside the loop feeds the latents'
+  addresses, and Triton's pipeliner keeps the next block's latents in flight: see the NOTEs at STAGES); it loads the keys' latents once for
   all its query rows ([BLOCK_N, r] and [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online
   softmax (running max and sum in fp32; p = exp(s - max) rounded to the operands' dtype for p @ c, accumulated in
   fp32). With one split it writes o = acc / sum in the operands' dtype; with several, its (acc, max, sum) in fp32.
@@ -84,18 +84,31 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # 64, 4 layers cycled: 48.7-62.8 us a call at BLOCK_N 32 over 1-3 stages and 4 / 8 splits, against this kernel's
 # 43.2; BLOCK_N 64 faulted (an illegal address on the device; not chased); at batch 1 (call 1) 8.33 against 8.36.
 # In the engine (BLOCK_N 32, 3 stages) batch 64 ran 2.30-2.31 ms a step, as without it.
+# NOTE: each key's page is picked by `tl.gather` from the split's page numbers (twentieth session). Until then it was
+# a select-and-sum over a [BLOCK_N, BLOCK_P] comparison, tl.sum(tl.where(key's index == ps, split_pages, 0)), which
+# Triton 3.6 compiled wrongly for the H200 in fp32 with 2 heads at BLOCK_N 32 and 2 or 3 stages, with pages of 3, 5,
+# 6, 9 and 11 tokens: 93 of 512 kernel checks off by 0.9-2.0 (relative norm; the engine's bad calls returned
+# exact zeros, as if every key were read from the zero page); 1 stage or BLOCK_N 16 were right, and so was bf16. That is what made the hard gate's
+# speculative engine give other tokens on the H200 (the gate's small fp32 model has 2 heads and pages of 6). The
+# gather was right in all 560 checks of the same sweep (fp32 and bf16, 1-3 splits, 2 heads, pages of 2-11 tokens),
+# and the CUDA gate and every GPU test of the kernel and the engine pass with it. Measured on one
+# H200 (bench/results/decode_probe/twentieth: kimi-linear-1.5b's shapes, bf16, rows of 513-640 keys in shuffled
+# pages, 4 layers cycled), select-and-sum -> gather at 3 stages: batch 1 7.53 -> 7.86 us a call, batch 16 17.21 ->
+# 17.57, batch 64 32.02 -> 34.38; the gather at 2 stages 7.98 / 16.66 / 37.02, at BLOCK_N 16 7.67 / 18.28 / 41.45;
+# the select-and-sum at 1 stage 7.46 / 18.17 / 44.06; the page table read inside the loop (before the seventeenth
+# session) 7.87 / 18.64 / 42.50. The root cause inside Triton was not found.
 BLOCK_M, BLOCK_N = 16, 32
 WARPS = 4
 STAGES = 3
 # Splits: enough programs to fill a GPU (the H200 has 132 SMs) when B x query blocks alone do not, at most MAX_SPLITS
 # (the combine holds [MAX_SPLITS, BLOCK_COMBINE] fp32 partial outputs in one tile).
 TARGET_PROGRAMS, MAX_SPLITS = 256, 128
-# A program holds its split's page numbers in registers and picks each key's from them with a [BLOCK_N, BLOCK_P]
-# comparison, so at long contexts the splits are made short enough that a split's keys lie on about this many pages
-# (kimi-linear-1.5b at batch 64 with 32K-token rows and pages of 64: 9 splits instead of 4). BLOCK_P, the next power
-# of two of a split's pages + 1, can still reach 128 (pages of 16 at BLOCK_N 64, or pages of 7 or fewer), and past
-# MAX_SPLITS it grows with the row: correct, but sm_90 then spills (compiled at batch 64: 186 registers at BLOCK_P 8,
-# 244 at 64, 250 at 128, a 48-byte stack at 256, a 1M-token row; not timed).
+# A program holds its split's page numbers in registers (BLOCK_P of them, the next power of two of a split's pages
+# + 1), and the splits are made short enough that a split's keys lie on about this many pages (kimi-linear-1.5b at
+# batch 64 with 32K-token rows and pages of 64: 9 splits instead of 4). That rule was made for the select-and-sum
+# (NOTE above), whose registers grew with BLOCK_P (compiled for sm_90 at batch 64: 186 at BLOCK_P 8, 244 at 64, 250
+# at 128, a 48-byte stack at 256); with the gather the kernel takes 126-128 registers at BLOCK_P 8 to 256 (Triton
+# 3.6 and 3.9, no spills). It was kept: longer splits were not timed.
 SPLIT_PAGES = 62
 BLOCK_COMBINE = 64  # the combine: R elements a program (grid B x T*H x R / BLOCK_COMBINE)
 
@@ -243,7 +256,7 @@ if triton is not None:
             # NOTE: keys past the row's `visible` are not loaded at all: a masked-out key's latent is multiplied by
             # p = 0 in p @ c, and 0 x NaN (stale bytes in a page past the row's length) would be NaN
             n_ok = n < hi
-            page = tl.sum(tl.where((n // PAGE - first)[:, None] == ps[None, :], split_pages[None, :], 0), axis=1)
+            page = tl.gather(split_pages, n // PAGE - first, 0)  # < BLOCK_P: n < lo + KEYS
             rows = pages_ptr + page * stride_pn + (n % PAGE) * stride_po  # [BLOCK_N]
             c = tl.load(rows[:, None] + rc[None, :], mask=n_ok[:, None] & (rc < R)[None, :], other=0.0).to(dtype)
             k_pe = tl.load(rows[:, None] + R + pe[None, :], mask=n_ok[:, None] & (pe < PE)[None, :],

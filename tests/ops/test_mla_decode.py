@@ -273,6 +273,30 @@ def test_kernel_matches_the_reference_at_small_shapes_on_cuda(case, dtype):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", range(2, 13))
+def test_kernel_matches_the_reference_at_every_small_page_size_on_cuda(page_size):
+    """The engine tests' model (2 heads, 16 + 8) at every page size from 2 to 12 tokens, 1 and 3 new tokens, fp32
+    and bf16, 1 and 3 splits and the engine's, each row against the fp32 reference. Before the key's page was picked by
+    tl.gather (ops/mla_decode.py, NOTE at BLOCK_N), Triton 3.6 compiled the kernel wrongly for the H200 in fp32 at
+    pages of 3, 5, 6, 9 and 11 tokens (the twentieth session's sweep); the gate's pages of 6 were one of them."""
+    gen = torch.Generator().manual_seed(page_size)
+    P = -(-48 // page_size) + 1  # 50-60 keys: two blocks of 32 (the second starting mid-page at most page sizes)
+    for T in (1, 3):
+        lengths = [int(torch.randint(8, 30, (), generator=gen)), P * page_size - T, None]
+        for dtype in (torch.float32, torch.bfloat16):
+            q, pages, table, visible = random_paged(3, T, 2, 16, 8, page_size, P, lengths, dtype, seed=page_size + T,
+                                                    device="cuda")
+            want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible, 0.3,
+                                                    16, 2)
+            for splits in (None, 1, 3):
+                got = paged_latent_attention(q, pages, table, visible, 0.3, 16, 2, splits=splits)
+                bound = 1e-5 if dtype == torch.float32 else 1e-2
+                errs = [rel_norm_err(got[b], want[b]) for b in range(3)]
+                assert torch.isfinite(got).all() and max(errs) < bound, (T, dtype, splits, errs)
+
+
+@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64])
 @pytest.mark.parametrize("T", [1, 4])
 def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
