@@ -100,14 +100,13 @@ def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor
     docstring): the torch fold (`kda_context_parallel_torch`, the reference; its local kernel is the device's KDA
     backend, fla on CUDA). With OPENK3_CP_KDA=fla (CUDA), fla's own `cp_context` runs the delta rule instead
     (`kda_context_parallel_fla`).
-    NOTE: opt-in until tests/parallel/test_gpu.py's comparison of the two has passed on a GPU: it was written
-    from fla 0.6's source and has not run yet."""
+    NOTE: opt-in until tests/parallel/test_gpu.py's comparison of the two has passed on 2 GPUs: it was written from
+    fla 0.6's source, and has run on one H200 only (world 1, twentieth session: output and input gradient equal,
+    parameter gradients within 8.1e-9)."""
     choice = os.environ.get("OPENK3_CP_KDA", "torch")
     if choice not in ("torch", "fla"):
         raise ValueError(f"OPENK3_CP_KDA={choice!r}: expected torch or fla")
     if choice == "fla":
-        if select_kda_backend(x.device).name != "fla":
-            raise RuntimeError(f"OPENK3_CP_KDA=fla needs fla's KDA backend; here: {select_kda_backend(x.device)}")
         return kda_context_parallel_fla(attn, x, cu_seqlens, group)
     return kda_context_parallel_torch(attn, x, cu_seqlens, group)
 
@@ -164,7 +163,14 @@ def kda_context_parallel_fla(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Te
     `chunk_kda(..., cp_context=build_cp_context(row's global cu_seqlens, group))` computes each rank's (M, S_ext)
     over its chunks, all-gathers them, folds the earlier ranks' into its initial state and mirrors that in backward,
     inside its Triton kernels. The conv and its halo stay openk3's (fla's CP conv is its own conv layer).
-    NOTE: fla's contiguous layout is one packed row split over the group, so each of the B rows is one call."""
+    NOTE: fla's contiguous layout is one packed row split over the group, so each of the B rows is one call.
+    NOTE: the backend is chosen first, as every fla caller in openk3 does, so that fla runs with openk3's kernel
+    configs and its autotuning cut to a few candidates (ops/kda/tuned.py): called straight after a fresh start
+    without that, fla autotuned 222 kernel shapes over every candidate for 235 s on the H200 (twentieth session),
+    longer than tests/parallel/test_gpu.py gives its worker."""
+    backend = select_kda_backend(x.device)
+    if backend.name != "fla":
+        raise RuntimeError(f"fla's context parallelism needs fla's KDA backend; here: {backend}")
     from fla.ops.cp import build_cp_context
     from fla.ops.kda import chunk_kda
 
