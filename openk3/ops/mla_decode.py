@@ -12,11 +12,12 @@ at batch 64 the gather, scores, mask, softmax and p @ c took ~130 us an MLA laye
 
 - kernel 1, grid (B rows, blocks of BLOCK_M query rows (heads x new tokens), key splits): a program reads its split's
   entries of the page table once (BLOCK_P pages), then walks the split's keys that the row sees BLOCK_N at a time,
-  each key's page picked from those registers by `tl.gather` (so no load inside the loop feeds the latents'
-  addresses, and Triton's pipeliner keeps the next block's latents in flight: see the NOTEs at STAGES); it loads the keys' latents once for
-  all its query rows ([BLOCK_N, r] and [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online
-  softmax (running max and sum in fp32; p = exp(s - max) rounded to the operands' dtype for p @ c, accumulated in
-  fp32). With one split it writes o = acc / sum in the operands' dtype; with several, its (acc, max, sum) in fp32.
+  each key's page picked from them by `tl.gather` (through shared memory or warp shuffles: no load from global
+  memory inside the loop feeds the latents' addresses, so Triton's pipeliner keeps the next block's latents in
+  flight: see the NOTEs at STAGES); it loads the keys' latents once for all its query rows ([BLOCK_N, r] and
+  [BLOCK_N, rope]), scores them with tl.dot in fp32, masks them and runs the online softmax (running max and sum in
+  fp32; p = exp(s - max) rounded to the operands' dtype for p @ c, accumulated in fp32). With one split it writes
+  o = acc / sum in the operands' dtype; with several, its (acc, max, sum) in fp32.
 - kernel 2, grid (B x T*H query rows, R / BLOCK_COMBINE): combines the splits, o = sum_s exp(m_s - m) acc_s /
   sum_s exp(m_s - m) l_s.
 
@@ -86,17 +87,20 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # In the engine (BLOCK_N 32, 3 stages) batch 64 ran 2.30-2.31 ms a step, as without it.
 # NOTE: each key's page is picked by `tl.gather` from the split's page numbers (twentieth session). Until then it was
 # a select-and-sum over a [BLOCK_N, BLOCK_P] comparison, tl.sum(tl.where(key's index == ps, split_pages, 0)), which
-# Triton 3.6 compiled wrongly for the H200 in fp32 with 2 heads at BLOCK_N 32 and 2 or 3 stages, with pages of 3, 5,
-# 6, 9 and 11 tokens: 93 of 512 kernel checks off by 0.9-2.0 (relative norm; the engine's bad calls returned
-# exact zeros, as if every key were read from the zero page); 1 stage or BLOCK_N 16 were right, and so was bf16. That is what made the hard gate's
-# speculative engine give other tokens on the H200 (the gate's small fp32 model has 2 heads and pages of 6). The
-# gather was right in all 560 checks of the same sweep (fp32 and bf16, 1-3 splits, 2 heads, pages of 2-11 tokens),
-# and the CUDA gate and every GPU test of the kernel and the engine pass with it. Measured on one
-# H200 (bench/results/decode_probe/twentieth: kimi-linear-1.5b's shapes, bf16, rows of 513-640 keys in shuffled
-# pages, 4 layers cycled), select-and-sum -> gather at 3 stages: batch 1 7.53 -> 7.86 us a call, batch 16 17.21 ->
-# 17.57, batch 64 32.02 -> 34.38; the gather at 2 stages 7.98 / 16.66 / 37.02, at BLOCK_N 16 7.67 / 18.28 / 41.45;
-# the select-and-sum at 1 stage 7.46 / 18.17 / 44.06; the page table read inside the loop (before the seventeenth
-# session) 7.87 / 18.64 / 42.50. The root cause inside Triton was not found.
+# Triton 3.6 compiled wrongly for the H200 in fp32 with 2 heads at BLOCK_N 32 and 3 stages (the defaults), with
+# pages of 3, 5, 6, 9 and 11 tokens in a sweep (93 of 512 kernel checks off by 0.9-2.0, relative norm) and of 10 and
+# 12 in tests/ops/test_mla_decode.py's page-size test; bf16 was right, and so was the select-and-sum at 1 stage (568
+# checks). A call whose files were lost also saw it right at BLOCK_N 16, and wrong at 2 stages with pages of 3 only;
+# there the engine's wrong calls returned exact zeros, as if every key were read from the zero page. That is what
+# made the hard gate's speculative engine give other tokens on the H200 (the gate's small fp32 model has 2 heads and
+# drew pages of 6). The gather was right in all 560 checks of the same sweep (fp32 and bf16, 1-3 splits, 2 heads,
+# pages of 2-11 tokens: 2, 3, 5, 6, 7, 9, 11 and the tests' 4 and 8), and the CUDA gate and every GPU test of the
+# kernel and the engine passed with it (before the clamp below). Measured on one H200
+# (bench/results/decode_probe/twentieth: kimi-linear-1.5b's shapes, bf16, rows of 513-640 keys in shuffled pages,
+# 4 layers cycled), select-and-sum -> gather at 3 stages: batch 1 7.53 -> 7.86 us a call, batch 16 17.21 -> 17.57,
+# batch 64 32.02 -> 34.38 (not profiled); the gather at 2 stages 7.98 / 16.66 / 37.02, at BLOCK_N 16 7.67 / 18.28
+# / 41.45; the select-and-sum at 1 stage 7.46 / 18.17 / 44.06; the page table read inside the loop (before the
+# seventeenth session) 7.87 / 18.64 / 42.50. The root cause inside Triton was not found.
 BLOCK_M, BLOCK_N = 16, 32
 WARPS = 4
 STAGES = 3
@@ -256,7 +260,14 @@ if triton is not None:
             # NOTE: keys past the row's `visible` are not loaded at all: a masked-out key's latent is multiplied by
             # p = 0 in p @ c, and 0 x NaN (stale bytes in a page past the row's length) would be NaN
             n_ok = n < hi
-            page = tl.gather(split_pages, n // PAGE - first, 0)  # < BLOCK_P: n < lo + KEYS
+            # NOTE: n < lo + KEYS in every iteration the loop runs, so the index is < BLOCK_P there; the clamp is
+            # for the blocks past `hi` whose page lookups Triton's pipeliner computes ahead (their copies masked
+            # off): unclamped, those read past the gather's shared-memory scratch (found in review in the sm_90
+            # code of Triton 3.9; the reads stayed inside the block's shared memory, their pages unused). Compiled
+            # with Triton 3.6 for sm_90, the clamp changed only the index arithmetic and the addresses of the
+            # lookups it feeds (the same shared memory size, copies, barriers, branches and matmuls). It was added
+            # after the last GPU run.
+            page = tl.gather(split_pages, tl.minimum(n // PAGE - first, BLOCK_P - 1), 0)
             rows = pages_ptr + page * stride_pn + (n % PAGE) * stride_po  # [BLOCK_N]
             c = tl.load(rows[:, None] + rc[None, :], mask=n_ok[:, None] & (rc < R)[None, :], other=0.0).to(dtype)
             k_pe = tl.load(rows[:, None] + R + pe[None, :], mask=n_ok[:, None] & (pe < PE)[None, :],

@@ -9,7 +9,8 @@ cheap to share) and its own x [B, L, D]. The result equals the layer's forward o
 this rank's tokens, forward and backward.
 This is the torch reference of the method (it runs on the CPU with gloo, and on the GPU with fla's local kernel);
 with OPENK3_CP_KDA=fla on CUDA, `kda_context_parallel` runs fla's `cp_context` (the same method in Triton) instead:
-`kda_context_parallel_fla`, compared with the torch fold by tests/parallel/test_gpu.py (not yet run on a GPU). `apply_context_parallel` (bottom) puts these forms into a whole model
+`kda_context_parallel_fla`, compared with the torch fold by tests/parallel/test_gpu.py (run on one GPU only, at
+world 1). `apply_context_parallel` (bottom) puts these forms into a whole model
 for the trainer's `--cp`: each rank holds a contiguous slice of every row of the batch (B rows, `local_rows`).
 
 KDA. The delta rule is affine in the incoming state: a segment maps S_in to S_out = M S_in + S_ext (M [K, K] per
@@ -101,8 +102,8 @@ def kda_context_parallel(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor
     backend, fla on CUDA). With OPENK3_CP_KDA=fla (CUDA), fla's own `cp_context` runs the delta rule instead
     (`kda_context_parallel_fla`).
     NOTE: opt-in until tests/parallel/test_gpu.py's comparison of the two has passed on 2 GPUs: it was written from
-    fla 0.6's source, and has run on one H200 only (world 1, twentieth session: output and input gradient equal,
-    parameter gradients within 8.1e-9)."""
+    fla 0.6's source, and has run on one H200 only (world 1, twentieth session: the output and the input and
+    parameter gradients equal to the torch fold's)."""
     choice = os.environ.get("OPENK3_CP_KDA", "torch")
     if choice not in ("torch", "fla"):
         raise ValueError(f"OPENK3_CP_KDA={choice!r}: expected torch or fla")
@@ -165,12 +166,13 @@ def kda_context_parallel_fla(attn: KimiDeltaAttention, x: Tensor, cu_seqlens: Te
     inside its Triton kernels. The conv and its halo stay openk3's (fla's CP conv is its own conv layer).
     NOTE: fla's contiguous layout is one packed row split over the group, so each of the B rows is one call.
     NOTE: the backend is chosen first, as every fla caller in openk3 does, so that fla runs with openk3's kernel
-    configs and its autotuning cut to a few candidates (ops/kda/tuned.py): called straight after a fresh start
-    without that, fla autotuned 222 kernel shapes over every candidate for 235 s on the H200 (twentieth session),
-    longer than tests/parallel/test_gpu.py gives its worker."""
+    configs and its autotuning cut to a few candidates (ops/kda/tuned.py). Without that, tests/parallel/test_gpu.py's
+    worker, fla's first use in its process, autotuned 12 kernels over every candidate (222 timed configs) for 235 s
+    of its 246 s on the H200, beside other GPU tests (twentieth session); the test gives the worker 300 s, and under
+    the 6-worker GPU suite (nineteenth session) it did not finish in them. Choosing the backend first: 51 s."""
     backend = select_kda_backend(x.device)
     if backend.name != "fla":
-        raise RuntimeError(f"fla's context parallelism needs fla's KDA backend; here: {backend}")
+        raise RuntimeError(f"fla's context parallelism (OPENK3_CP_KDA=fla) needs fla's KDA backend; here: {backend}")
     from fla.ops.cp import build_cp_context
     from fla.ops.kda import chunk_kda
 

@@ -277,10 +277,10 @@ def test_kernel_matches_the_reference_at_small_shapes_on_cuda(case, dtype):
 def test_kernel_matches_the_reference_at_every_small_page_size_on_cuda(page_size):
     """The engine tests' model (2 heads, 16 + 8) at every page size from 2 to 12 tokens, 1 and 3 new tokens, fp32
     and bf16, 1 and 3 splits and the engine's, each row against the fp32 reference. Before the key's page was picked by
-    tl.gather (ops/mla_decode.py, NOTE at BLOCK_N), Triton 3.6 compiled the kernel wrongly for the H200 in fp32 at
-    pages of 3, 5, 6, 9 and 11 tokens (the twentieth session's sweep); the gate's pages of 6 were one of them."""
+    tl.gather (ops/mla_decode.py, NOTE at BLOCK_N), Triton 3.6 compiled the kernel wrongly for the H200 in fp32:
+    this test failed at pages of 3, 5, 6, 9, 10, 11 and 12 tokens (twentieth session); the gate drew pages of 6."""
     gen = torch.Generator().manual_seed(page_size)
-    P = -(-48 // page_size) + 1  # 50-60 keys: two blocks of 32 (the second starting mid-page at most page sizes)
+    P = -(-48 // page_size) + 1  # 50-66 keys: two or three blocks of 32, most starting mid-page
     for T in (1, 3):
         lengths = [int(torch.randint(8, 30, (), generator=gen)), P * page_size - T, None]
         for dtype in (torch.float32, torch.bfloat16):

@@ -149,9 +149,9 @@ def test_fsdp_world_1_equals_unsharded(gpu_results):
     runs gave equal weights. After 3 steps the FSDP model's worst weight (relative to the tensor's largest) was 0.0069
     off in two processes and 0.0194 in two others (the nineteenth session's among them, where the bound on it was
     1e-2), its worst update 0.019 and 0.051 (relative norm). So the difference enters at the optimizer's steps on
-    the sharded parameters (not located further), and Muon's Newton-Schulz, which gives every direction of a
-    gradient unit weight, amplifies it where a gradient is nearly low-rank. Muon is blind to a gradient's scale,
-    so the gradients are checked before it; an update not applied (or applied twice) is off by 1 or more."""
+    the sharded parameters (not located further; most likely Muon's Newton-Schulz, which weighs every direction of
+    a gradient alike, amplifies small differences there). Muon is blind to a gradient's scale, so the gradients
+    are checked before it; an update not applied (or applied twice) is off by 1 or more."""
     _no_error(gpu_results, "fsdp")
     print({k: gpu_results[k] for k in ("fsdp_grads", "fsdp_loss", "fsdp_weights", "fsdp_updates", "moved")})
     assert gpu_results["graded"] and gpu_results["moved"] > 0

@@ -6,6 +6,8 @@
 #   mkdir -p bench/results/decode_probe/twentieth/scripts/variants
 #   git show 154fba8:openk3/ops/mla_decode.py > bench/results/decode_probe/twentieth/scripts/variants/mla_cur.py
 #   git show 0ea363e~1:openk3/ops/mla_decode.py > bench/results/decode_probe/twentieth/scripts/variants/mla_pre.py
+# Files kept: k_{new,cur,cur_stages1,new_keys16}.json as they are, gpu_tests_new.txt -> call2_gpu_tests_gather.txt,
+# the stdout -> call2_stdout.txt (the other files did not come back: the device tool returns at most 8).
 . .whl/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 python3 -c "import torch, triton, fla, hypothesis; print(torch.__version__, triton.__version__, fla.__version__, hypothesis.__version__)" > $OUT/versions.txt 2>&1

@@ -2,10 +2,10 @@
 #   bash bench/results/decode_probe/twentieth/scripts/call3.sh
 # .whl/ holds the wheels the device lacks (fla-core and flash-linear-attention 0.6.0, transformers 5.23.0,
 # pytest-xdist, execnet) and setup.sh, which installs them under /tmp/site and puts that on PYTHONPATH.
-# The kernel variants the probe loads are earlier versions of openk3/ops/mla_decode.py, made first with
-#   mkdir -p bench/results/decode_probe/twentieth/scripts/variants
-#   git show 154fba8:openk3/ops/mla_decode.py > bench/results/decode_probe/twentieth/scripts/variants/mla_cur.py
-#   git show 0ea363e~1:openk3/ops/mla_decode.py > bench/results/decode_probe/twentieth/scripts/variants/mla_pre.py
+# Files kept (bench/results/decode_probe/twentieth/): x/decode_bench.log -> call3_decode_bench.log, x/gpu_rest.txt ->
+# call3_gpu_tests_rest.txt, x/par_fsdp.log and fsdp.json -> call3_fsdp_probe.{log,json}, x/par_cp.log ->
+# call3_fla_cp_autotuning.log; x/vs_transformers_decode.json's decode part merged by hand into
+# bench/results/vs_transformers_decode.json.
 . .whl/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p $OUT/x

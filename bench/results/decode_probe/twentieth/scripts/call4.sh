@@ -2,10 +2,12 @@
 #   bash bench/results/decode_probe/twentieth/scripts/call4.sh
 # .whl/ holds the wheels the device lacks (fla-core and flash-linear-attention 0.6.0, transformers 5.23.0,
 # pytest-xdist, execnet) and setup.sh, which installs them under /tmp/site and puts that on PYTHONPATH.
-# The kernel variants the probe loads are earlier versions of openk3/ops/mla_decode.py, made first with
+# The old kernel it swaps in is 154fba8's openk3/ops/mla_decode.py, made first with
 #   mkdir -p bench/results/decode_probe/twentieth/scripts/variants
 #   git show 154fba8:openk3/ops/mla_decode.py > bench/results/decode_probe/twentieth/scripts/variants/mla_cur.py
-#   git show 0ea363e~1:openk3/ops/mla_decode.py > bench/results/decode_probe/twentieth/scripts/variants/mla_pre.py
+# (the parallel tests in the background had imported openk3 before the swap). Files kept: mla_gather.txt ->
+# call4_mla_tests_gather.txt, mla_select_and_sum.txt -> call4_new_test_on_the_old_kernel.txt, parallel.txt ->
+# call4_parallel_tests.txt.
 . .whl/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 ( timeout 420 python3 -m pytest -p no:cacheprovider -m gpu -v -s --durations=5 tests/parallel/test_gpu.py > $OUT/parallel.txt 2>&1; echo "rc=$?" >> $OUT/parallel.txt ) &

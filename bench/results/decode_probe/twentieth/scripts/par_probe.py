@@ -1,5 +1,9 @@
 """Twentieth session, call 3: the two failing tests of tests/parallel/test_gpu.py (scale-out issue) on the H200.
-fsdp: unsharded model trained twice (run-to-run noise) and FSDP2 at world 1, 3 steps, per-parameter relative
+
+    python par_probe.py fsdp              # -> $OUT/fsdp.json
+    python par_probe.py cp TIMEOUT_S      # -> $OUT/cp.pt, $OUT/cp.pt.stack.txt
+
+fsdp: the unsharded model trained twice (run-to-run noise) and FSDP2 at world 1, 3 steps, per-parameter relative
 errors. cp: `_fla_cp_worker` at world 1 with a stack dump every 60 s and fla's autotuning printed."""
 import copy
 import faulthandler
