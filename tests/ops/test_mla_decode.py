@@ -258,17 +258,21 @@ def test_kernel_matches_the_reference_at_small_shapes_on_cuda(case, dtype):
     shapes (2 heads, r = 16, rope = 8, pages of 4-9 tokens) through the kernel in the hard gate, where the
     interpreter cannot show a GPU-only fault. Every split count from the engine's to 3, keys 16 and 32 a step (the
     engine's BLOCK_N), each row against the fp32 reference."""
+    check_on_cuda(case, dtype, seed=case[0] + case[1] + case[2], block_ns=(None, 16), splits=(None, 1, 2, 3))
+
+
+def check_on_cuda(case, dtype, seed, block_ns, splits):
+    """The kernel on the GPU at `case` against the fp32 reference, row by row, for each keys-a-step and split count."""
     B, T, H, r, rope, page_size, P, lengths = case
-    q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B + T + H,
-                                            device="cuda")
+    q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=seed, device="cuda")
     want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible, 0.3, r, H)
-    for block_n in (None, 16):
-        for splits in (None, 1, 2, 3):
-            got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=splits, block_n=block_n)
-            assert torch.isfinite(got).all(), (block_n, splits)
-            bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: p and o_lat rounded (2^-9 each)
-            for b in range(B):
-                assert rel_norm_err(got[b], want[b]) < bound, (block_n, splits, b)
+    bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: p and o_lat rounded (2^-9 each)
+    for block_n in block_ns:
+        for n_splits in splits:
+            got = paged_latent_attention(q, pages, table, visible, 0.3, r, H, splits=n_splits, block_n=block_n)
+            assert torch.isfinite(got).all(), (block_n, n_splits)
+            errs = [rel_norm_err(got[b], want[b]) for b in range(B)]
+            assert max(errs) < bound, (block_n, n_splits, errs)
 
 
 @cuda
@@ -284,15 +288,8 @@ def test_kernel_matches_the_reference_at_every_small_page_size_on_cuda(page_size
     for T in (1, 3):
         lengths = [int(torch.randint(8, 30, (), generator=gen)), P * page_size - T, None]
         for dtype in (torch.float32, torch.bfloat16):
-            q, pages, table, visible = random_paged(3, T, 2, 16, 8, page_size, P, lengths, dtype, seed=page_size + T,
-                                                    device="cuda")
-            want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible, 0.3,
-                                                    16, 2)
-            for splits in (None, 1, 3):
-                got = paged_latent_attention(q, pages, table, visible, 0.3, 16, 2, splits=splits)
-                bound = 1e-5 if dtype == torch.float32 else 1e-2
-                errs = [rel_norm_err(got[b], want[b]) for b in range(3)]
-                assert torch.isfinite(got).all() and max(errs) < bound, (T, dtype, splits, errs)
+            check_on_cuda((3, T, 2, 16, 8, page_size, P, lengths), dtype, seed=page_size + T, block_ns=(None,),
+                          splits=(None, 1, 3))
 
 
 @cuda
