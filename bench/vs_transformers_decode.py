@@ -333,14 +333,20 @@ def part_prefix_hit(model, args, rng) -> dict:
     hit = warm.generate([turn], greedy(1))[0]
     cold = cold_engine.generate([turn], greedy(1))[0]
     hit_s, cold_s = hit.first_token_at - hit.submitted_at, cold.first_token_at - cold.submitted_at
+    # the first token's logprob on each side; where the two picked different tokens, also the cold model's logprob
+    # of the hit's token (`score`, the same chunks as the cold prefill): the margin the rounding had to cross
+    first = {"hit_logprob": hit.logprobs[0], "cold_logprob": cold.logprobs[0]}
+    if hit.output != cold.output:
+        first["cold_logprob_of_hit_token"] = cold_engine.score(turn + hit.output[:1])[-1]
     print(f"  {len(turn)}-token turn: cold {1e3 * cold_s:.1f} ms, after a prefix hit of {hit.cached_tokens} tokens "
-          f"{1e3 * hit_s:.1f} ms ({cold_s / hit_s:.1f}x)", flush=True)
+          f"{1e3 * hit_s:.1f} ms ({cold_s / hit_s:.1f}x); first token " +
+          ", ".join(f"{k} {v:.4f}" for k, v in first.items()), flush=True)
     split = host_split(warm, second_turn())
     print("  host split of another hit turn (cProfile, ms): " +
           ", ".join(f"{k} {v['ms']:.2f}" for k, v in split.items()), flush=True)
     return {"turn_tokens": len(turn), "cached_tokens": hit.cached_tokens, "cold_ttft_s": cold_s,
             "hit_ttft_s": hit_s, "hit_over_cold": hit_s / cold_s, "same_first_token": hit.output == cold.output,
-            "hit_host_split": split}
+            "first_token": first, "hit_host_split": split}
 
 
 def host_split(engine: Engine, prompt: list[int]) -> dict:

@@ -1,0 +1,81 @@
+"""Twenty-first session: is a prefix hit's first token less faithful than a cold prefill's in bf16?
+
+In the twentieth session's bf16 prefix-hit run the hit turn's first token differed from the cold turn's (the fp32
+gate, which checks them equal, passes). This probe serves conversations the way `vs_transformers_decode.py
+--parts prefix_hit_ttft` does (a first turn whose reply the prefix-cached engine decodes, then a second turn that
+resumes from its cache) and compares, for each second turn, the first-token logprobs of three computations of the
+same weights: the bf16 hit, the bf16 cold prefill, and an fp32 cold prefill (the same bf16 checkpoint loaded in
+fp32: the reference). Tokens compared: the hit's, the cold one's and the fp32 one's greedy pick.
+
+    python bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py --device cuda --out hit_vs_fp32.json
+    python bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py --config tiny --device cpu --turn 512 \
+        --conversations 2 --out /tmp/h.json                                                      # smoke test
+"""
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[5]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+import vs_transformers_decode as vs  # noqa: E402
+from openk3.model.checkpoint import load_pretrained  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="kimi-linear-1.5b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--turn", type=int, default=32768, help="tokens of the second turn")
+    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    args = vs.parse_args(["--config", a.config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
+                          "--ttft-len", str(a.turn)])
+    rng = random.Random(0)
+    out = {"hardware": vs.hardware(args.device), "config": a.config, "turn": a.turn, "command": " ".join(sys.argv),
+           "conversations": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        model, ckpt, _ = vs.build_checkpoint(args, Path(workdir))
+        ref_model = load_pretrained(ckpt, device=args.device, dtype=torch.float32).eval()
+    V, L = model.config.vocab_size, a.turn
+    ckpt_pages = vs.PagePool(model.config, 2, args.page_size, "meta", torch.bfloat16).checkpoint_pages
+    pages = 3 * -(-L // args.page_size) + (L // 2048 + 4) * ckpt_pages  # as the bench's prefix-hit part
+    warm = vs.engine_for(model, args, 1, num_pages=pages)
+    cold = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False)
+    ref = vs.engine_for(ref_model, args, 1, num_pages=pages, prefix_cache=False)
+    for i in range(a.conversations):
+        first = vs.random_prompts(1, L - args.ttft_user_len - args.ttft_reply_len, V, rng)[0]
+        user = vs.random_prompts(1, args.ttft_user_len, V, rng)[0]
+        reply = warm.generate([first], vs.greedy(args.ttft_reply_len))[0].output
+        turn = first + reply + user
+        hit = warm.generate([turn], vs.greedy(1))[0]
+        c = cold.generate([turn], vs.greedy(1))[0]
+        r = ref.generate([turn], vs.greedy(1))[0]
+        picks = {"hit": hit.output[0], "cold": c.output[0], "fp32": r.output[0]}
+        row = {"cached_tokens": hit.cached_tokens, "picks": picks, "hit_logprob_of_its_pick": hit.logprobs[0],
+               "logprobs": {}}
+        for t in sorted(set(picks.values())):
+            row["logprobs"][str(t)] = {"bf16_cold": cold.score(turn + [t])[-1], "fp32": ref.score(turn + [t])[-1]}
+        lp = row["logprobs"]
+        row["hit_error_on_its_pick"] = abs(hit.logprobs[0] - lp[str(picks["hit"])]["fp32"])
+        row["cold_error_on_the_hit_pick"] = abs(lp[str(picks["hit"])]["bf16_cold"] - lp[str(picks["hit"])]["fp32"])
+        row["cold_error_on_its_pick"] = abs(c.logprobs[0] - lp[str(picks["cold"])]["fp32"])
+        row["fp32_margin_hit_vs_cold_pick"] = lp[str(picks["cold"])]["fp32"] - lp[str(picks["hit"])]["fp32"]
+        out["conversations"].append(row)
+        print(f"conversation {i}: picks {picks}; |bf16 - fp32| logprob: hit {row['hit_error_on_its_pick']:.4f}, "
+              f"cold {row['cold_error_on_the_hit_pick']:.4f} (the hit's token), "
+              f"{row['cold_error_on_its_pick']:.4f} (its own); fp32's margin cold pick - hit pick "
+              f"{row['fp32_margin_hit_vs_cold_pick']:.4f}", flush=True)
+        vs.write_json(a.out, out)
+
+
+if __name__ == "__main__":
+    main()
