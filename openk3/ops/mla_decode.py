@@ -265,8 +265,8 @@ if triton is not None:
             # off): unclamped, those read past the gather's shared-memory scratch (found in review in the sm_90
             # code of Triton 3.9; the reads stayed inside the block's shared memory, their pages unused). Compiled
             # with Triton 3.6 for sm_90, the clamp changed only the index arithmetic and the addresses of the
-            # lookups it feeds (the same shared memory size, copies, barriers, branches and matmuls). It was added
-            # after the last GPU run.
+            # lookups it feeds (the same shared memory size, copies, barriers, branches and matmuls). With it the
+            # kernel tests and the engine's gate pass on the H200 (docs/engine_h200_log.md, twenty-first session).
             page = tl.gather(split_pages, tl.minimum(n // PAGE - first, BLOCK_P - 1), 0)
             rows = pages_ptr + page * stride_pn + (n % PAGE) * stride_po  # [BLOCK_N]
             c = tl.load(rows[:, None] + rc[None, :], mask=n_ok[:, None] & (rc < R)[None, :], other=0.0).to(dtype)
