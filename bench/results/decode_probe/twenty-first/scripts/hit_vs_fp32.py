@@ -5,7 +5,10 @@ gate, which checks them equal, passes). This probe serves conversations the way 
 --parts prefix_hit_ttft` does (a first turn whose reply the prefix-cached engine decodes, then a second turn that
 resumes from its cache) and compares, for each second turn, the first-token logprobs of three computations of the
 same weights: the bf16 hit, the bf16 cold prefill, and an fp32 cold prefill (the same bf16 checkpoint loaded in
-fp32: the reference). Tokens compared: the hit's, the cold one's and the fp32 one's greedy pick.
+fp32: the reference). Tokens compared: the hit's, the cold one's and the fp32 one's greedy pick. Then (`--fp32-hit`)
+each conversation again in fp32 end to end: an fp32 prefix-cached engine serves the first turn (its own reply) and
+the second turn from its cache, against an fp32 cold prefill of that turn. There rounding is small, so a difference
+of the bf16 runs' size would point at the cache.
 
     python bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py --device cuda --out hit_vs_fp32.json
     python bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py --config tiny --device cpu --turn 512 \
@@ -35,6 +38,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--turn", type=int, default=32768, help="tokens of the second turn")
     p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--fp32-hit", action="store_true", help="also an fp32 hit against an fp32 cold prefill")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     args = vs.parse_args(["--config", a.config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
@@ -51,6 +55,7 @@ def main() -> None:
     warm = vs.engine_for(model, args, 1, num_pages=pages)
     cold = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False)
     ref = vs.engine_for(ref_model, args, 1, num_pages=pages, prefix_cache=False)
+    ref_warm = vs.engine_for(ref_model, args, 1, num_pages=pages) if a.fp32_hit else None
     for i in range(a.conversations):
         first = vs.random_prompts(1, L - args.ttft_user_len - args.ttft_reply_len, V, rng)[0]
         user = vs.random_prompts(1, args.ttft_user_len, V, rng)[0]
@@ -68,12 +73,25 @@ def main() -> None:
         row["hit_error_on_its_pick"] = abs(hit.logprobs[0] - lp[str(picks["hit"])]["fp32"])
         row["cold_error_on_the_hit_pick"] = abs(lp[str(picks["hit"])]["bf16_cold"] - lp[str(picks["hit"])]["fp32"])
         row["cold_error_on_its_pick"] = abs(c.logprobs[0] - lp[str(picks["cold"])]["fp32"])
-        row["fp32_margin_hit_vs_cold_pick"] = lp[str(picks["cold"])]["fp32"] - lp[str(picks["hit"])]["fp32"]
+        row["fp32_cold_pick_minus_hit_pick"] = lp[str(picks["cold"])]["fp32"] - lp[str(picks["hit"])]["fp32"]
+        if ref_warm is not None:
+            reply32 = ref_warm.generate([first], vs.greedy(args.ttft_reply_len))[0].output
+            turn32 = first + reply32 + user
+            hit32 = ref_warm.generate([turn32], vs.greedy(1))[0]
+            cold32 = ref.generate([turn32], vs.greedy(1))[0]
+            same = hit32.output == cold32.output
+            cold_lp = cold32.logprobs[0] if same else ref.score(turn32 + hit32.output[:1])[-1]
+            row["fp32_hit"] = {"cached_tokens": hit32.cached_tokens, "same_pick": same,
+                               "hit_logprob": hit32.logprobs[0], "cold_logprob_of_the_hit_pick": cold_lp,
+                               "difference": abs(hit32.logprobs[0] - cold_lp)}
         out["conversations"].append(row)
         print(f"conversation {i}: picks {picks}; |bf16 - fp32| logprob: hit {row['hit_error_on_its_pick']:.4f}, "
               f"cold {row['cold_error_on_the_hit_pick']:.4f} (the hit's token), "
               f"{row['cold_error_on_its_pick']:.4f} (its own); fp32's margin cold pick - hit pick "
-              f"{row['fp32_margin_hit_vs_cold_pick']:.4f}", flush=True)
+              f"{row['fp32_cold_pick_minus_hit_pick']:.4f}" +
+              (f"; fp32 hit ({row['fp32_hit']['cached_tokens']} cached) against fp32 cold: same pick "
+               f"{row['fp32_hit']['same_pick']}, logprob difference {row['fp32_hit']['difference']:.2e}"
+               if "fp32_hit" in row else ""), flush=True)
         vs.write_json(a.out, out)
 
 
