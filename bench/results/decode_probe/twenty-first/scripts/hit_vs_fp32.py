@@ -39,6 +39,9 @@ def main() -> None:
     p.add_argument("--turn", type=int, default=32768, help="tokens of the second turn")
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--fp32-hit", action="store_true", help="also an fp32 hit against an fp32 cold prefill")
+    p.add_argument("--chunk-control", type=int, default=None,
+                   help="with --fp32-hit: also an fp32 cold prefill in chunks of this many tokens (the bench's are "
+                        "8,192), against the fp32 cold one: how far rounding alone moves the first token")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     args = vs.parse_args(["--config", a.config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
@@ -56,6 +59,10 @@ def main() -> None:
     cold = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False)
     ref = vs.engine_for(ref_model, args, 1, num_pages=pages, prefix_cache=False)
     ref_warm = vs.engine_for(ref_model, args, 1, num_pages=pages) if a.fp32_hit else None
+    control = None
+    if a.fp32_hit and a.chunk_control:
+        other = argparse.Namespace(**{**vars(args), "prefill_chunk": a.chunk_control})
+        control = vs.engine_for(ref_model, other, 1, num_pages=pages, prefix_cache=False)
     for i in range(a.conversations):
         first = vs.random_prompts(1, L - args.ttft_user_len - args.ttft_reply_len, V, rng)[0]
         user = vs.random_prompts(1, args.ttft_user_len, V, rng)[0]
@@ -84,6 +91,12 @@ def main() -> None:
             row["fp32_hit"] = {"cached_tokens": hit32.cached_tokens, "same_pick": same,
                                "hit_logprob": hit32.logprobs[0], "cold_logprob_of_the_hit_pick": cold_lp,
                                "difference": abs(hit32.logprobs[0] - cold_lp)}
+            if control is not None:
+                ctrl = control.generate([turn32], vs.greedy(1))[0]
+                same = ctrl.output == cold32.output
+                ctrl_lp = ctrl.logprobs[0] if same else control.score(turn32 + cold32.output[:1])[-1]
+                row["fp32_chunk_control"] = {"prefill_chunk": a.chunk_control, "same_pick": same,
+                                             "difference": abs(ctrl_lp - cold32.logprobs[0])}
         out["conversations"].append(row)
         print(f"conversation {i}: picks {picks}; |bf16 - fp32| logprob: hit {row['hit_error_on_its_pick']:.4f}, "
               f"cold {row['cold_error_on_the_hit_pick']:.4f} (the hit's token), "
@@ -91,7 +104,10 @@ def main() -> None:
               f"{row['fp32_cold_pick_minus_hit_pick']:.4f}" +
               (f"; fp32 hit ({row['fp32_hit']['cached_tokens']} cached) against fp32 cold: same pick "
                f"{row['fp32_hit']['same_pick']}, logprob difference {row['fp32_hit']['difference']:.2e}"
-               if "fp32_hit" in row else ""), flush=True)
+               if "fp32_hit" in row else "") +
+              (f"; fp32 cold in chunks of {a.chunk_control} against fp32 cold: same pick "
+               f"{row['fp32_chunk_control']['same_pick']}, logprob difference "
+               f"{row['fp32_chunk_control']['difference']:.2e}" if "fp32_chunk_control" in row else ""), flush=True)
         vs.write_json(a.out, out)
 
 
