@@ -32,6 +32,41 @@ import vs_transformers_decode as vs  # noqa: E402
 from openk3.model.checkpoint import load_pretrained  # noqa: E402
 
 
+def bf16_row(warm, cold, ref, first, user, args) -> dict:
+    """The bf16 hit and cold prefill of one conversation's second turn against the fp32 cold prefill."""
+    reply = warm.generate([first], vs.greedy(args.ttft_reply_len))[0].output
+    turn = first + reply + user
+    hit = warm.generate([turn], vs.greedy(1))[0]
+    c = cold.generate([turn], vs.greedy(1))[0]
+    r = ref.generate([turn], vs.greedy(1))[0]
+    picks = {"hit": hit.output[0], "cold": c.output[0], "fp32": r.output[0]}
+    row = {"cached_tokens": hit.cached_tokens, "picks": picks, "hit_logprob_of_its_pick": hit.logprobs[0],
+           "logprobs": {}}
+    for t in sorted(set(picks.values())):
+        row["logprobs"][str(t)] = {"bf16_cold": cold.score(turn + [t])[-1], "fp32": ref.score(turn + [t])[-1]}
+    lp = row["logprobs"]
+    row["hit_error_on_its_pick"] = abs(hit.logprobs[0] - lp[str(picks["hit"])]["fp32"])
+    row["cold_error_on_the_hit_pick"] = abs(lp[str(picks["hit"])]["bf16_cold"] - lp[str(picks["hit"])]["fp32"])
+    row["cold_error_on_its_pick"] = abs(c.logprobs[0] - lp[str(picks["cold"])]["fp32"])
+    row["fp32_cold_pick_minus_hit_pick"] = lp[str(picks["cold"])]["fp32"] - lp[str(picks["hit"])]["fp32"]
+    return row
+
+
+def summary(row: dict) -> str:
+    parts = []
+    if "picks" in row:
+        parts.append(f"picks {row['picks']}; |bf16 - fp32| logprob: hit {row['hit_error_on_its_pick']:.4f}, cold "
+                     f"{row['cold_error_on_the_hit_pick']:.4f} (the hit's token), {row['cold_error_on_its_pick']:.4f} "
+                     f"(its own); fp32's cold pick - hit pick {row['fp32_cold_pick_minus_hit_pick']:.4f}")
+    for key, what in (("fp32_hit", "fp32 hit"), ("fp32_prefilled_hit", "fp32 hit after a prefilled first turn"),
+                      ("fp32_chunk_control", "fp32 cold in other chunks")):
+        if key in row:
+            cached = f" ({row[key]['cached_tokens']} cached)" if "cached_tokens" in row[key] else ""
+            parts.append(f"{what}{cached} against fp32 cold: same pick {row[key]['same_pick']}, logprob difference "
+                         f"{row[key]['difference']:.2e}")
+    return "; ".join(parts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="kimi-linear-1.5b")
@@ -42,6 +77,10 @@ def main() -> None:
     p.add_argument("--chunk-control", type=int, default=None,
                    help="with --fp32-hit: also an fp32 cold prefill in chunks of this many tokens (the bench's are "
                         "8,192), against the fp32 cold one: how far rounding alone moves the first token")
+    p.add_argument("--prefilled-hit", action="store_true",
+                   help="with --fp32-hit: also an fp32 hit whose first turn (prompt and reply) was prefilled as one "
+                        "prompt instead of decoded: the cache's restore without the decode path")
+    p.add_argument("--skip-bf16", action="store_true", help="only the fp32 comparisons")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     args = vs.parse_args(["--config", a.config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
@@ -59,6 +98,7 @@ def main() -> None:
     cold = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False)
     ref = vs.engine_for(ref_model, args, 1, num_pages=pages, prefix_cache=False)
     ref_warm = vs.engine_for(ref_model, args, 1, num_pages=pages) if a.fp32_hit else None
+    prefilled = vs.engine_for(ref_model, args, 1, num_pages=pages) if a.fp32_hit and a.prefilled_hit else None
     control = None
     if a.fp32_hit and a.chunk_control:
         other = argparse.Namespace(**{**vars(args), "prefill_chunk": a.chunk_control})
@@ -66,21 +106,9 @@ def main() -> None:
     for i in range(a.conversations):
         first = vs.random_prompts(1, L - args.ttft_user_len - args.ttft_reply_len, V, rng)[0]
         user = vs.random_prompts(1, args.ttft_user_len, V, rng)[0]
-        reply = warm.generate([first], vs.greedy(args.ttft_reply_len))[0].output
-        turn = first + reply + user
-        hit = warm.generate([turn], vs.greedy(1))[0]
-        c = cold.generate([turn], vs.greedy(1))[0]
-        r = ref.generate([turn], vs.greedy(1))[0]
-        picks = {"hit": hit.output[0], "cold": c.output[0], "fp32": r.output[0]}
-        row = {"cached_tokens": hit.cached_tokens, "picks": picks, "hit_logprob_of_its_pick": hit.logprobs[0],
-               "logprobs": {}}
-        for t in sorted(set(picks.values())):
-            row["logprobs"][str(t)] = {"bf16_cold": cold.score(turn + [t])[-1], "fp32": ref.score(turn + [t])[-1]}
-        lp = row["logprobs"]
-        row["hit_error_on_its_pick"] = abs(hit.logprobs[0] - lp[str(picks["hit"])]["fp32"])
-        row["cold_error_on_the_hit_pick"] = abs(lp[str(picks["hit"])]["bf16_cold"] - lp[str(picks["hit"])]["fp32"])
-        row["cold_error_on_its_pick"] = abs(c.logprobs[0] - lp[str(picks["cold"])]["fp32"])
-        row["fp32_cold_pick_minus_hit_pick"] = lp[str(picks["cold"])]["fp32"] - lp[str(picks["hit"])]["fp32"]
+        row = {}
+        if not a.skip_bf16:
+            row = bf16_row(warm, cold, ref, first, user, args)
         if ref_warm is not None:
             reply32 = ref_warm.generate([first], vs.greedy(args.ttft_reply_len))[0].output
             turn32 = first + reply32 + user
@@ -91,6 +119,13 @@ def main() -> None:
             row["fp32_hit"] = {"cached_tokens": hit32.cached_tokens, "same_pick": same,
                                "hit_logprob": hit32.logprobs[0], "cold_logprob_of_the_hit_pick": cold_lp,
                                "difference": abs(hit32.logprobs[0] - cold_lp)}
+            if prefilled is not None:
+                prefilled.generate([first + reply32], vs.greedy(1))  # the first turn, prefilled as one prompt
+                hitp = prefilled.generate([turn32], vs.greedy(1))[0]
+                same = hitp.output == cold32.output
+                cold_lp = cold32.logprobs[0] if same else ref.score(turn32 + hitp.output[:1])[-1]
+                row["fp32_prefilled_hit"] = {"cached_tokens": hitp.cached_tokens, "same_pick": same,
+                                             "difference": abs(hitp.logprobs[0] - cold_lp)}
             if control is not None:
                 ctrl = control.generate([turn32], vs.greedy(1))[0]
                 same = ctrl.output == cold32.output
@@ -98,16 +133,7 @@ def main() -> None:
                 row["fp32_chunk_control"] = {"prefill_chunk": a.chunk_control, "same_pick": same,
                                              "difference": abs(ctrl_lp - cold32.logprobs[0])}
         out["conversations"].append(row)
-        print(f"conversation {i}: picks {picks}; |bf16 - fp32| logprob: hit {row['hit_error_on_its_pick']:.4f}, "
-              f"cold {row['cold_error_on_the_hit_pick']:.4f} (the hit's token), "
-              f"{row['cold_error_on_its_pick']:.4f} (its own); fp32's margin cold pick - hit pick "
-              f"{row['fp32_cold_pick_minus_hit_pick']:.4f}" +
-              (f"; fp32 hit ({row['fp32_hit']['cached_tokens']} cached) against fp32 cold: same pick "
-               f"{row['fp32_hit']['same_pick']}, logprob difference {row['fp32_hit']['difference']:.2e}"
-               if "fp32_hit" in row else "") +
-              (f"; fp32 cold in chunks of {a.chunk_control} against fp32 cold: same pick "
-               f"{row['fp32_chunk_control']['same_pick']}, logprob difference "
-               f"{row['fp32_chunk_control']['difference']:.2e}" if "fp32_chunk_control" in row else ""), flush=True)
+        print(f"conversation {i}: {summary(row)}", flush=True)
         vs.write_json(a.out, out)
 
 
