@@ -156,7 +156,8 @@ def test_fsdp_world_1_equals_unsharded(gpu_results):
     are checked before it; an update not applied (or applied twice) is off by 1 or more. The parameters the unsharded
     steps leave exactly unchanged (they get no gradient: layer 0's attention-residual norm and projection, which
     have no earlier block to weigh) must stay exactly unchanged under FSDP too (on the CPU with gloo: 2 such, moved
-    by 0)."""
+    by 0). That catches a write to a parameter without a gradient (a bad reshard, a re-initialisation), not a zero
+    gradient in place of None (these two start at zero or take no weight decay, so Muon/AdamW leave them alone)."""
     _no_error(gpu_results, "fsdp")
     print({k: gpu_results[k] for k in ("fsdp_grads", "fsdp_loss", "fsdp_weights", "fsdp_updates", "moved",
                                          "fsdp_still", "still")})
