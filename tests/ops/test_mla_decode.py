@@ -137,6 +137,18 @@ def test_interpreted_kernel_matches_the_reference(case, splits, dtype, block_n):
 
 
 @interpreted_only
+def test_interpreted_long_contexts():
+    """Rows of 20K-66K keys on 64-token pages (the 32K prefix-hit turn's decode): the engine's split count (over 100
+    splits of a few pages each) and one split of 500+ pages, against the reference."""
+    for B, T, P, lengths in ((1, 1, 1030, [65800]), (2, 2, 520, [32767, 20001])):
+        q, pages, table, visible = random_paged(B, T, 2, 16, 8, 64, P, lengths, torch.float32, seed=P)
+        want = paged_latent_attention_reference(q, pages.nan_to_num(0.0), table, visible, 0.3, 16, 2)
+        for splits in (None, 1):
+            got = paged_latent_attention(q, pages, table, visible, 0.3, 16, 2, splits=splits)
+            assert rel_norm_err(got, want) < TOLERANCE[torch.float32], (lengths, splits)
+
+
+@interpreted_only
 @pytest.mark.parametrize("warps, stages", [(2, 1), (4, 2), (8, 3)])
 def test_interpreted_a_latent_wider_than_a_combine_tile(warps, stages):
     """r = 80 > BLOCK_COMBINE = 64: the combine's second program of a query row takes the masked rest; the split
@@ -313,3 +325,25 @@ def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
             assert torch.isfinite(got).all()
             # bf16: against the fp32 reference, within bf16's rounding of p and o_lat (about 2^-9 each)
             assert rel_norm_err(got, want) < (1e-5 if dtype == torch.float32 else 6e-3), (dtype, splits)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, lengths", [(1, [32700]), (2, [65800, 20001])], ids=["32K", "64K-20K"])
+def test_kernel_matches_the_reference_at_long_contexts_on_cuda(B, lengths):
+    """kimi-linear-1.5b's MLA (16 heads, 512 + 64) over 20K-66K cached keys on 64-token pages, fp32 and bf16, the
+    engine's split count (about 100 splits of a few pages each) and one split: the contexts of the bench's 32K
+    prefix-hit turn, whose fp32 hit differed from the cold prefill more than a no-cache control did (twenty-first
+    session, docs/engine_h200_log.md); the other GPU tests reach 640 keys."""
+    H, r, rope, page_size = 16, 512, 64, 64
+    P = -(-(max(lengths) + 1) // page_size) + 1
+    for dtype in (torch.float32, torch.bfloat16):
+        q, pages, table, visible = random_paged(B, 1, H, r, rope, page_size, P, lengths, dtype, seed=B,
+                                                layers=1, layer=0, device="cuda")
+        want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible,
+                                                0.07, r, H)
+        for splits in (None, 1):
+            got = paged_latent_attention(q, pages, table, visible, 0.07, r, H, splits=splits)
+            assert torch.isfinite(got).all()
+            errs = [rel_norm_err(got[b], want[b]) for b in range(B)]
+            assert max(errs) < (1e-5 if dtype == torch.float32 else 6e-3), (dtype, splits, errs)
