@@ -304,20 +304,13 @@ def test_kernel_matches_the_reference_at_every_small_page_size_on_cuda(page_size
                           splits=(None, 1, 3))
 
 
-@cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 64])
-@pytest.mark.parametrize("T", [1, 4])
-def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
-    """kimi-linear-1.5b's MLA (16 heads, r = 512, rope = 64) on the engine bench's 64-token pages, ~640-token ragged
-    contexts (P = 16), bf16 and fp32, the split count the engine picks and one split."""
-    H, r, rope, page_size, P = 16, 512, 64, 64, 16
-    lengths = [600 + (37 * b) % 80 for b in range(B)]
-    if B > 1:
-        lengths[-1] = None  # a padding row
+def check_at_kimi_linear_heads(B, T, P, lengths, seed, layers=1, layer=0):
+    """kimi-linear-1.5b's MLA (16 heads, r = 512, rope = 64) on the engine bench's 64-token pages on the GPU, bf16
+    and fp32, the split count the engine picks and one split, against the fp32 reference."""
+    H, r, rope, page_size = 16, 512, 64, 64
     for dtype in (torch.bfloat16, torch.float32):
-        q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=B,
-                                                layers=4, layer=2, device="cuda")
+        q, pages, table, visible = random_paged(B, T, H, r, rope, page_size, P, lengths, dtype, seed=seed,
+                                                layers=layers, layer=layer, device="cuda")
         want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible,
                                                 0.07, r, H)
         for splits in (None, 1):
@@ -329,21 +322,22 @@ def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("T", [1, 4])
+def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
+    """~640-token ragged contexts (P = 16) at kimi-linear-1.5b's heads."""
+    lengths = [600 + (37 * b) % 80 for b in range(B)]
+    if B > 1:
+        lengths[-1] = None  # a padding row
+    check_at_kimi_linear_heads(B, T, 16, lengths, seed=B, layers=4, layer=2)
+
+
+@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("B, lengths", [(1, [32700]), (2, [65800, 20001])], ids=["32K", "64K-20K"])
 def test_kernel_matches_the_reference_at_long_contexts_on_cuda(B, lengths):
-    """kimi-linear-1.5b's MLA (16 heads, 512 + 64) over 20K-66K cached keys on 64-token pages, fp32 and bf16, the
-    engine's split count (about 100 splits of a few pages each) and one split: the contexts of the bench's 32K
-    prefix-hit turn, whose fp32 hit differed from the cold prefill more than a no-cache control did (twenty-first
-    session, docs/engine_h200_log.md); the other GPU tests reach 640 keys."""
-    H, r, rope, page_size = 16, 512, 64, 64
-    P = -(-(max(lengths) + 1) // page_size) + 1
-    for dtype in (torch.float32, torch.bfloat16):
-        q, pages, table, visible = random_paged(B, 1, H, r, rope, page_size, P, lengths, dtype, seed=B,
-                                                layers=1, layer=0, device="cuda")
-        want = paged_latent_attention_reference(q.float(), pages.float().nan_to_num(0.0), table, visible,
-                                                0.07, r, H)
-        for splits in (None, 1):
-            got = paged_latent_attention(q, pages, table, visible, 0.07, r, H, splits=splits)
-            assert torch.isfinite(got).all()
-            errs = [rel_norm_err(got[b], want[b]) for b in range(B)]
-            assert max(errs) < (1e-5 if dtype == torch.float32 else 6e-3), (dtype, splits, errs)
+    """20K-66K cached keys at kimi-linear-1.5b's heads, the engine's split count (about 100 splits of a few pages
+    each) and one split: the contexts of the bench's 32K prefix-hit turn, whose fp32 hit differed from the cold
+    prefill more than a no-cache control did (twenty-first session, docs/engine_h200_log.md); the other GPU tests
+    reach 640 keys."""
+    check_at_kimi_linear_heads(B, 1, -(-(max(lengths) + 1) // 64) + 1, lengths, seed=B)
