@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import vs_transformers_decode as vs  # noqa: E402
+from openk3.config import get_config  # noqa: E402
 from openk3.model.checkpoint import load_pretrained  # noqa: E402
 
 
@@ -52,6 +53,44 @@ def bf16_row(warm, cold, ref, first, user, args) -> dict:
     return row
 
 
+@torch.inference_mode()
+def router_gaps(model, turn: list[int], last: int) -> dict:
+    """Per MoE layer of one uncached forward of `turn`: the smallest gap between the k-th and (k+1)-th biased router
+    score over all tokens and over the `last` tokens (those a hit recomputes), and how many tokens have a gap under
+    1e-6 and under 1e-4."""
+    out = model(torch.tensor([turn], device=next(model.parameters()).device), record=True)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    rows = []
+    for (scores, _), router in zip(out.router, routers):
+        top = (scores + router.e_score_correction_bias).topk(router.k + 1, -1).values
+        gap = top[:, -2] - top[:, -1]
+        rows.append({"min_all": gap.min().item(), "min_last": gap[-last:].min().item(),
+                     "under_1e-6": int((gap < 1e-6).sum()), "under_1e-4": int((gap < 1e-4).sum())})
+    return {"tokens": len(turn), "layers": rows}
+
+
+@torch.inference_mode()
+def break_ties_and_compare(model, args, pages: int, first_turn: list[int], turn: list[int]) -> dict:
+    """Widen every router gap under 1e-6 in one uncached forward of `turn` (the (k+1)-th expert's bias lowered by
+    1e-3, which changes the model), then a hit after the prefilled `first_turn` against a cold prefill, on fresh
+    engines."""
+    out = model(torch.tensor([turn], device=next(model.parameters()).device), record=True)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    ties = []
+    for layer, ((scores, _), router) in enumerate(zip(out.router, routers)):
+        values, experts = (scores + router.e_score_correction_bias).topk(router.k + 1, -1)
+        gap = values[:, -2] - values[:, -1]
+        for t in (gap < 1e-6).nonzero()[:, 0].tolist():
+            ties.append({"layer": layer, "token": t, "gap": gap[t].item(), "lowered_expert": int(experts[t, -1])})
+            router.e_score_correction_bias[int(experts[t, -1])] -= 1e-3
+    cold = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False).generate([turn], vs.greedy(1))[0]
+    warm = vs.engine_for(model, args, 1, num_pages=pages)
+    warm.generate([first_turn], vs.greedy(1))
+    hit = warm.generate([turn], vs.greedy(1))[0]
+    same = hit.output == cold.output
+    return {"ties": ties, "same_pick": same, "difference": abs(hit.logprobs[0] - cold.logprobs[0]) if same else None}
+
+
 def summary(row: dict) -> str:
     parts = []
     if "picks" in row:
@@ -64,6 +103,15 @@ def summary(row: dict) -> str:
             cached = f" ({row[key]['cached_tokens']} cached)" if "cached_tokens" in row[key] else ""
             parts.append(f"{what}{cached} against fp32 cold: same pick {row[key]['same_pick']}, logprob difference "
                          f"{row[key]['difference']:.2e}")
+    if "after_breaking_ties" in row:
+        b = row["after_breaking_ties"]
+        diff = f"{b['difference']:.2e}" if b["difference"] is not None else "other tokens"
+        parts.append(f"after breaking {len(b['ties'])} router ties under 1e-6: prefilled hit against cold {diff}")
+    if "router_gaps" in row:
+        g = row["router_gaps"]["layers"]
+        parts.append(f"router ties: smallest k-th gap {min(x['min_all'] for x in g):.2e} (the last tokens "
+                     f"{min(x['min_last'] for x in g):.2e}), {sum(x['under_1e-6'] for x in g)} token-layers under "
+                     f"1e-6, {sum(x['under_1e-4'] for x in g)} under 1e-4")
     return "; ".join(parts)
 
 
@@ -81,12 +129,30 @@ def main() -> None:
                    help="with --fp32-hit: also an fp32 hit whose first turn (prompt and reply) was prefilled as one "
                         "prompt instead of decoded: the cache's restore without the decode path")
     p.add_argument("--skip-bf16", action="store_true", help="only the fp32 comparisons")
+    p.add_argument("--router-gaps", action="store_true",
+                   help="with --fp32-hit: per MoE layer, how close the fp32 turn's routers came to a tie at the k-th "
+                        "expert (the gap between the k-th and (k+1)-th biased score): a tie that rounding flips "
+                        "changes a token's experts, a jump no rounding bound covers")
+    p.add_argument("--break-ties", action="store_true",
+                   help="with --prefilled-hit, last: at every token and MoE layer of the fp32 turn whose k-th and "
+                        "(k+1)-th biased router scores lie within 1e-6, lower the (k+1)-th expert's bias by 1e-3 "
+                        "(this changes the model), then the prefilled hit against the cold prefill again")
+    p.add_argument("--dense", action="store_true",
+                   help="the config with a dense MLP in every layer (no router): no top-k tie can flip, so what is "
+                        "left between a hit and a cold prefill is rounding or the cache")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    args = vs.parse_args(["--config", a.config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
+    config = a.config
+    if a.dense:
+        dense = get_config(a.config)
+        dense = dense.replace(first_k_dense_replace=dense.num_hidden_layers)
+        config = str(Path(tempfile.mkdtemp()) / "config.json")
+        dense.save(config)
+    args = vs.parse_args(["--config", config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
                           "--ttft-len", str(a.turn)])
     rng = random.Random(0)
-    out = {"hardware": vs.hardware(args.device), "config": a.config, "turn": a.turn, "command": " ".join(sys.argv),
+    out = {"hardware": vs.hardware(args.device), "config": a.config, "dense": a.dense, "turn": a.turn,
+           "command": " ".join(sys.argv),
            "conversations": []}
     with tempfile.TemporaryDirectory() as workdir:
         model, ckpt, _ = vs.build_checkpoint(args, Path(workdir))
@@ -126,12 +192,16 @@ def main() -> None:
                 cold_lp = cold32.logprobs[0] if same else ref.score(turn32 + hitp.output[:1])[-1]
                 row["fp32_prefilled_hit"] = {"cached_tokens": hitp.cached_tokens, "same_pick": same,
                                              "difference": abs(hitp.logprobs[0] - cold_lp)}
+            if a.router_gaps:
+                row["router_gaps"] = router_gaps(ref_model, turn32, args.ttft_user_len)
             if control is not None:
                 ctrl = control.generate([turn32], vs.greedy(1))[0]
                 same = ctrl.output == cold32.output
                 ctrl_lp = ctrl.logprobs[0] if same else control.score(turn32 + cold32.output[:1])[-1]
                 row["fp32_chunk_control"] = {"prefill_chunk": a.chunk_control, "same_pick": same,
                                              "difference": abs(ctrl_lp - cold32.logprobs[0])}
+            if a.break_ties and prefilled is not None:  # last: it changes the model
+                row["after_breaking_ties"] = break_ties_and_compare(ref_model, args, pages, first + reply32, turn32)
         out["conversations"].append(row)
         print(f"conversation {i}: {summary(row)}", flush=True)
         vs.write_json(a.out, out)
