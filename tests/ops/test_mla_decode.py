@@ -336,8 +336,8 @@ def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, lengths", [(1, [32700]), (2, [65800, 20001])], ids=["32K", "64K-20K"])
 def test_kernel_matches_the_reference_at_long_contexts_on_cuda(B, lengths):
-    """20K-66K cached keys at kimi-linear-1.5b's heads, the engine's split count (about 100 splits of a few pages
-    each) and one split: the contexts of the bench's 32K prefix-hit turn, whose fp32 hit differed from the cold
-    prefill more than a no-cache control did (twenty-first session, docs/engine_h200_log.md); the other GPU tests
-    reach 640 keys."""
+    """20K-66K cached keys at kimi-linear-1.5b's heads, the split count `split_keys` picks for this table (over 100
+    splits of a few pages each) and one split: the contexts of the bench's 32K prefix-hit turn, whose fp32 hit
+    differed from the cold prefill more than a no-cache control did (twenty-first session, docs/engine_h200_log.md);
+    the other GPU tests reach 683 keys."""
     check_at_kimi_linear_heads(B, 1, -(-(max(lengths) + 1) // 64) + 1, lengths, seed=B)

@@ -61,7 +61,7 @@ def router_gaps(model, turn: list[int], last: int) -> dict:
     out = model(torch.tensor([turn], device=next(model.parameters()).device), record=True)
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     rows = []
-    for (scores, _), router in zip(out.router, routers):
+    for (scores, _), router in zip(out.router or [], routers):
         top = (scores + router.e_score_correction_bias).topk(router.k + 1, -1).values
         gap = top[:, -2] - top[:, -1]
         rows.append({"min_all": gap.min().item(), "min_last": gap[-last:].min().item(),
@@ -76,19 +76,29 @@ def break_ties_and_compare(model, args, pages: int, first_turn: list[int], turn:
     engines."""
     out = model(torch.tensor([turn], device=next(model.parameters()).device), record=True)
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    saved = [r.e_score_correction_bias.clone() for r in routers]
     ties = []
     for layer, ((scores, _), router) in enumerate(zip(out.router, routers)):
         values, experts = (scores + router.e_score_correction_bias).topk(router.k + 1, -1)
         gap = values[:, -2] - values[:, -1]
+        lowered = set()
         for t in (gap < 1e-6).nonzero()[:, 0].tolist():
-            ties.append({"layer": layer, "token": t, "gap": gap[t].item(), "lowered_expert": int(experts[t, -1])})
-            router.e_score_correction_bias[int(experts[t, -1])] -= 1e-3
-    cold = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False).generate([turn], vs.greedy(1))[0]
-    warm = vs.engine_for(model, args, 1, num_pages=pages)
-    warm.generate([first_turn], vs.greedy(1))
-    hit = warm.generate([turn], vs.greedy(1))[0]
-    same = hit.output == cold.output
-    return {"ties": ties, "same_pick": same, "difference": abs(hit.logprobs[0] - cold.logprobs[0]) if same else None}
+            ties.append({"moe_layer": layer, "token": t, "gap": gap[t].item(), "lowered_expert": int(experts[t, -1])})
+            lowered.add(int(experts[t, -1]))
+        for e in lowered:  # the bias of an expert moves every token's choice in this layer, not only the tied one's
+            router.e_score_correction_bias[e] -= 1e-3
+    try:
+        cold_engine = vs.engine_for(model, args, 1, num_pages=pages, prefix_cache=False)
+        cold = cold_engine.generate([turn], vs.greedy(1))[0]
+        warm = vs.engine_for(model, args, 1, num_pages=pages)
+        warm.generate([first_turn], vs.greedy(1))
+        hit = warm.generate([turn], vs.greedy(1))[0]
+        same = hit.output == cold.output
+        cold_lp = cold.logprobs[0] if same else cold_engine.score(turn + hit.output[:1])[-1]
+    finally:  # the model as it was, for the conversations after this one
+        for router, bias in zip(routers, saved):
+            router.e_score_correction_bias.copy_(bias)
+    return {"ties": ties, "same_pick": same, "difference": abs(hit.logprobs[0] - cold_lp)}
 
 
 def summary(row: dict) -> str:
@@ -105,9 +115,9 @@ def summary(row: dict) -> str:
                          f"{row[key]['difference']:.2e}")
     if "after_breaking_ties" in row:
         b = row["after_breaking_ties"]
-        diff = f"{b['difference']:.2e}" if b["difference"] is not None else "other tokens"
-        parts.append(f"after breaking {len(b['ties'])} router ties under 1e-6: prefilled hit against cold {diff}")
-    if "router_gaps" in row:
+        parts.append(f"after breaking {len(b['ties'])} router ties under 1e-6: prefilled hit against cold: same pick "
+                     f"{b['same_pick']}, logprob difference {b['difference']:.2e}")
+    if row.get("router_gaps", {}).get("layers"):
         g = row["router_gaps"]["layers"]
         parts.append(f"router ties: smallest k-th gap {min(x['min_all'] for x in g):.2e} (the last tokens "
                      f"{min(x['min_last'] for x in g):.2e}), {sum(x['under_1e-6'] for x in g)} token-layers under "
@@ -146,7 +156,7 @@ def main() -> None:
     if a.dense:
         dense = get_config(a.config)
         dense = dense.replace(first_k_dense_replace=dense.num_hidden_layers)
-        config = str(Path(tempfile.mkdtemp()) / "config.json")
+        config = str(Path(tempfile.mkdtemp(prefix="hit_vs_fp32_")) / "config.json")  # a few KB, left in /tmp
         dense.save(config)
     args = vs.parse_args(["--config", config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
                           "--ttft-len", str(a.turn)])
@@ -193,7 +203,7 @@ def main() -> None:
                 row["fp32_prefilled_hit"] = {"cached_tokens": hitp.cached_tokens, "same_pick": same,
                                              "difference": abs(hitp.logprobs[0] - cold_lp)}
             if a.router_gaps:
-                row["router_gaps"] = router_gaps(ref_model, turn32, args.ttft_user_len)
+                row["router_gaps"] = router_gaps(ref_model, turn32, args.ttft_user_len + 1)
             if control is not None:
                 ctrl = control.generate([turn32], vs.greedy(1))[0]
                 same = ctrl.output == cold32.output
@@ -203,8 +213,8 @@ def main() -> None:
             if a.break_ties and prefilled is not None:  # last: it changes the model
                 row["after_breaking_ties"] = break_ties_and_compare(ref_model, args, pages, first + reply32, turn32)
         out["conversations"].append(row)
-        print(f"conversation {i}: {summary(row)}", flush=True)
         vs.write_json(a.out, out)
+        print(f"conversation {i}: {summary(row)}", flush=True)
 
 
 if __name__ == "__main__":
