@@ -71,8 +71,9 @@ def _fsdp(env: DistEnv, dev: torch.device) -> dict:
     a, b = _train_steps(plain, 3, ids), _train_steps(sharded, 3, ids)
     full = {n: p.full_tensor() for n, p in sharded.named_parameters()}
     start = dict(init.named_parameters())
-    moved = [(n, p - start[n]) for n, p in plain.named_parameters() if (p - start[n]).norm() > 0]
-    still = [n for n, p in plain.named_parameters() if (p - start[n]).norm() == 0]
+    delta = {n: p - start[n] for n, p in plain.named_parameters()}  # what the unsharded steps did
+    moved = [(n, d) for n, d in delta.items() if d.norm() > 0]
+    still = [n for n, d in delta.items() if d.norm() == 0]
     res = {"fsdp_loss": max(abs(x - y) / abs(x) for x, y in zip(a, b)),
            "fsdp_weights": max(rel_err(full[n], p) for n, p in plain.named_parameters() if p.abs().max() > 0),
            "fsdp_updates": max(rel_norm_err(full[n] - start[n], d) for n, d in moved), "moved": len(moved),

@@ -53,20 +53,34 @@ def bf16_row(warm, cold, ref, first, user, args) -> dict:
     return row
 
 
+def logprob_pair(a, b, b_engine, turn: list[int]) -> tuple[bool, float]:
+    """(whether requests a and b picked the same first token, b's logprob of a's pick: b's own where they agree,
+    else `b_engine`'s score of a's pick after `turn`)."""
+    same = a.output == b.output
+    return same, b.logprobs[0] if same else b_engine.score(turn + a.output[:1])[-1]
+
+
 @torch.inference_mode()
-def router_gaps(model, turn: list[int], last: int) -> dict:
-    """Per MoE layer of one uncached forward of `turn`: the smallest gap between the k-th and (k+1)-th biased router
-    score over all tokens and over the `last` tokens (those a hit recomputes), and how many tokens have a gap under
-    1e-6 and under 1e-4."""
+def router_choices(model, turn: list[int]) -> list[tuple]:
+    """Per MoE layer of one uncached forward of `turn`: (its router, each token's gap between the k-th and (k+1)-th
+    biased score [T], the (k+1)-th expert [T])."""
     out = model(torch.tensor([turn], device=next(model.parameters()).device), record=True)
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     rows = []
     for (scores, _), router in zip(out.router or [], routers):
-        top = (scores + router.e_score_correction_bias).topk(router.k + 1, -1).values
-        gap = top[:, -2] - top[:, -1]
-        rows.append({"min_all": gap.min().item(), "min_last": gap[-last:].min().item(),
-                     "under_1e-6": int((gap < 1e-6).sum()), "under_1e-4": int((gap < 1e-4).sum())})
-    return {"tokens": len(turn), "layers": rows}
+        values, experts = (scores + router.e_score_correction_bias).topk(router.k + 1, -1)
+        rows.append((router, values[:, -2] - values[:, -1], experts[:, -1]))
+    return rows
+
+
+def router_gaps(model, turn: list[int], last: int) -> dict:
+    """Per MoE layer of one uncached forward of `turn`: the smallest gap between the k-th and (k+1)-th biased router
+    score over all tokens and over the `last` tokens (those a hit recomputes), and how many tokens have a gap under
+    1e-6 and under 1e-4."""
+    layers = [{"min_all": gap.min().item(), "min_last": gap[-last:].min().item(),
+               "under_1e-6": int((gap < 1e-6).sum()), "under_1e-4": int((gap < 1e-4).sum())}
+              for _, gap, _ in router_choices(model, turn)]
+    return {"tokens": len(turn), "layers": layers}
 
 
 @torch.inference_mode()
@@ -74,17 +88,14 @@ def break_ties_and_compare(model, args, pages: int, first_turn: list[int], turn:
     """Widen every router gap under 1e-6 in one uncached forward of `turn` (the (k+1)-th expert's bias lowered by
     1e-3, which changes the model), then a hit after the prefilled `first_turn` against a cold prefill, on fresh
     engines."""
-    out = model(torch.tensor([turn], device=next(model.parameters()).device), record=True)
-    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-    saved = [r.e_score_correction_bias.clone() for r in routers]
+    choices = router_choices(model, turn)
+    saved = [router.e_score_correction_bias.clone() for router, _, _ in choices]
     ties = []
-    for layer, ((scores, _), router) in enumerate(zip(out.router, routers)):
-        values, experts = (scores + router.e_score_correction_bias).topk(router.k + 1, -1)
-        gap = values[:, -2] - values[:, -1]
+    for layer, (router, gap, loser) in enumerate(choices):
         lowered = set()
         for t in (gap < 1e-6).nonzero()[:, 0].tolist():
-            ties.append({"moe_layer": layer, "token": t, "gap": gap[t].item(), "lowered_expert": int(experts[t, -1])})
-            lowered.add(int(experts[t, -1]))
+            ties.append({"moe_layer": layer, "token": t, "gap": gap[t].item(), "lowered_expert": int(loser[t])})
+            lowered.add(int(loser[t]))
         for e in lowered:  # the bias of an expert moves every token's choice in this layer, not only the tied one's
             router.e_score_correction_bias[e] -= 1e-3
     try:
@@ -93,10 +104,9 @@ def break_ties_and_compare(model, args, pages: int, first_turn: list[int], turn:
         warm = vs.engine_for(model, args, 1, num_pages=pages)
         warm.generate([first_turn], vs.greedy(1))
         hit = warm.generate([turn], vs.greedy(1))[0]
-        same = hit.output == cold.output
-        cold_lp = cold.logprobs[0] if same else cold_engine.score(turn + hit.output[:1])[-1]
+        same, cold_lp = logprob_pair(hit, cold, cold_engine, turn)
     finally:  # the model as it was, for the conversations after this one
-        for router, bias in zip(routers, saved):
+        for (router, _, _), bias in zip(choices, saved):
             router.e_score_correction_bias.copy_(bias)
     return {"ties": ties, "same_pick": same, "difference": abs(hit.logprobs[0] - cold_lp)}
 
@@ -190,24 +200,21 @@ def main() -> None:
             turn32 = first + reply32 + user
             hit32 = ref_warm.generate([turn32], vs.greedy(1))[0]
             cold32 = ref.generate([turn32], vs.greedy(1))[0]
-            same = hit32.output == cold32.output
-            cold_lp = cold32.logprobs[0] if same else ref.score(turn32 + hit32.output[:1])[-1]
+            same, cold_lp = logprob_pair(hit32, cold32, ref, turn32)
             row["fp32_hit"] = {"cached_tokens": hit32.cached_tokens, "same_pick": same,
                                "hit_logprob": hit32.logprobs[0], "cold_logprob_of_the_hit_pick": cold_lp,
                                "difference": abs(hit32.logprobs[0] - cold_lp)}
             if prefilled is not None:
                 prefilled.generate([first + reply32], vs.greedy(1))  # the first turn, prefilled as one prompt
                 hitp = prefilled.generate([turn32], vs.greedy(1))[0]
-                same = hitp.output == cold32.output
-                cold_lp = cold32.logprobs[0] if same else ref.score(turn32 + hitp.output[:1])[-1]
+                same, cold_lp = logprob_pair(hitp, cold32, ref, turn32)
                 row["fp32_prefilled_hit"] = {"cached_tokens": hitp.cached_tokens, "same_pick": same,
                                              "difference": abs(hitp.logprobs[0] - cold_lp)}
             if a.router_gaps:
                 row["router_gaps"] = router_gaps(ref_model, turn32, args.ttft_user_len + 1)
             if control is not None:
                 ctrl = control.generate([turn32], vs.greedy(1))[0]
-                same = ctrl.output == cold32.output
-                ctrl_lp = ctrl.logprobs[0] if same else control.score(turn32 + cold32.output[:1])[-1]
+                same, ctrl_lp = logprob_pair(cold32, ctrl, control, turn32)
                 row["fp32_chunk_control"] = {"prefill_chunk": a.chunk_control, "same_pick": same,
                                              "difference": abs(ctrl_lp - cold32.logprobs[0])}
             if a.break_ties and prefilled is not None:  # last: it changes the model
