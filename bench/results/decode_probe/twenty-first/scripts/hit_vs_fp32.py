@@ -17,6 +17,7 @@ of the bf16 runs' size would point at the cache.
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -160,8 +161,17 @@ def main() -> None:
     p.add_argument("--dense", action="store_true",
                    help="the config with a dense MLP in every layer (no router): no top-k tie can flip, so what is "
                         "left between a hit and a cold prefill is rounding or the cache")
+    p.add_argument("--ieee", action="store_true",
+                   help="fp32 means IEEE fp32 on the GPU too: Triton's default dot precision and fla's explicit TF32 "
+                        "one (SOLVE_TRIL_DOT_PRECISION, KDA's intra-chunk solve) set to ieee, cuBLAS without TF32")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
+    if a.ieee:  # before any kernel compiles: Triton reads both when it compiles a kernel
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
+        import fla.ops.kda.chunk_intra
+        import triton.language as tl
+        fla.ops.kda.chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     config = a.config
     if a.dense:
         dense = get_config(a.config)
@@ -171,7 +181,7 @@ def main() -> None:
     args = vs.parse_args(["--config", config, "--device", a.device, "--dtype", "bfloat16", "--skip-transformers",
                           "--ttft-len", str(a.turn)])
     rng = random.Random(0)
-    out = {"hardware": vs.hardware(args.device), "config": a.config, "dense": a.dense, "turn": a.turn,
+    out = {"hardware": vs.hardware(args.device), "config": a.config, "dense": a.dense, "ieee": a.ieee, "turn": a.turn,
            "command": " ".join(sys.argv),
            "conversations": []}
     with tempfile.TemporaryDirectory() as workdir:
@@ -220,6 +230,8 @@ def main() -> None:
             if a.break_ties and prefilled is not None:  # last: it changes the model
                 row["after_breaking_ties"] = break_ties_and_compare(ref_model, args, pages, first + reply32, turn32)
         out["conversations"].append(row)
+        intra = sys.modules.get("fla.ops.kda.chunk_intra")  # what the kernels used, as a check on --ieee
+        out["fla_solve_tril_dot_precision"] = str(getattr(intra, "SOLVE_TRIL_DOT_PRECISION", None))
         vs.write_json(a.out, out)
         print(f"conversation {i}: {summary(row)}", flush=True)
 
