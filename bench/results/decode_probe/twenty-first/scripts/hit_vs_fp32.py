@@ -8,7 +8,8 @@ same weights: the bf16 hit, the bf16 cold prefill, and an fp32 cold prefill (the
 fp32: the reference). Tokens compared: the hit's, the cold one's and the fp32 one's greedy pick. Then (`--fp32-hit`)
 each conversation again in fp32 end to end: an fp32 prefix-cached engine serves the first turn (its own reply) and
 the second turn from its cache, against an fp32 cold prefill of that turn. There rounding is small, so a difference
-of the bf16 runs' size would point at the cache.
+of the bf16 runs' size would point at the cache. On the GPU fla's KDA kernels run fp32 dot products in TF32;
+`--ieee` (twenty-second session) sets them to IEEE fp32.
 
     python bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py --device cuda --out hit_vs_fp32.json
     python bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py --config tiny --device cpu --turn 512 \
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import vs_transformers_decode as vs  # noqa: E402
 from openk3.config import get_config  # noqa: E402
 from openk3.model.checkpoint import load_pretrained  # noqa: E402
+from openk3.ops.kda.backend import select_kda_backend  # noqa: E402
 
 
 def bf16_row(warm, cold, ref, first, user, args) -> dict:
@@ -162,11 +164,13 @@ def main() -> None:
                    help="the config with a dense MLP in every layer (no router): no top-k tie can flip, so what is "
                         "left between a hit and a cold prefill is rounding or the cache")
     p.add_argument("--ieee", action="store_true",
-                   help="fp32 means IEEE fp32 on the GPU too: Triton's default dot precision and fla's explicit TF32 "
-                        "one (SOLVE_TRIL_DOT_PRECISION, KDA's intra-chunk solve) set to ieee, cuBLAS without TF32")
+                   help="fp32 without TF32 on the GPU: Triton's default dot precision and fla's explicit TF32 one "
+                        "(SOLVE_TRIL_DOT_PRECISION, KDA's intra-chunk solve) set to ieee, cuBLAS and cuDNN without "
+                        "TF32 (the MLA prefill's attention is PyTorch's SDPA, whose fp32 kernels these do not set)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    if a.ieee:  # before any kernel compiles: Triton reads both when it compiles a kernel
+    if a.ieee:  # after openk3 points fla at its shipped configs (before fla's first import), before any kernel
+        select_kda_backend(a.device)  # compiles: Triton reads both settings when it compiles a kernel
         os.environ["TRITON_F32_DEFAULT"] = "ieee"
         import fla.ops.kda.chunk_intra
         import triton.language as tl

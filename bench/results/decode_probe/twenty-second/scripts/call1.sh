@@ -6,6 +6,12 @@
 # its shared helper. (2) The hit against a cold prefill with a dense MLP in every layer (no router, so no top-k tie
 # can swap an expert), in IEEE fp32 (no TF32 in fla's or Triton's dots, nor in cuBLAS), then in the default fp32
 # (TF32 dots in fla's chunk kernels): 2 conversations of 32K tokens each.
+# NOTE: calls 1-3 ran an earlier --ieee of the probe, which imported fla.utils and set its IS_TF32_SUPPORTED to
+# False. Importing fla had already imported its KDA modules, which read that flag at import, so fla's intra-chunk
+# solve stayed TF32 (the JSON records fla_solve_tril_dot_precision "constexpr[tf32]"): "IEEE" in these calls
+# means Triton's default dot precision at ieee and cuBLAS / cuDNN without TF32, the solve in TF32; and, fla being
+# imported before openk3 chose its KDA backend, fla autotuned instead of running openk3's shipped H200 configs.
+# The committed probe fixes both (call 5), so rerunning this script gives IEEE throughout.
 . .whl/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 P=bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py

@@ -4,6 +4,9 @@
 # fla_solve_tril_dot_precision "constexpr[tf32]": importing fla imports its KDA modules, so the flag the probe set
 # came too late). With the probe fixed (it sets that constant itself), the IEEE runs again: the dense model as call
 # 1, the MoE model with the last-257-tokens control as call 3.
+# NOTE: this probe's --ieee imported fla before openk3 chose its KDA backend, so fla autotuned its kernels
+# instead of running openk3's shipped H200 configs (the JSON's hardware.kda_backend says so); call 5 reran it
+# with the committed probe, which selects the backend first.
 . .whl/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 P=bench/results/decode_probe/twenty-first/scripts/hit_vs_fp32.py
