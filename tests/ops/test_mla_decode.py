@@ -338,6 +338,6 @@ def test_kernel_matches_the_reference_at_kimi_linear_shapes(B, T):
 def test_kernel_matches_the_reference_at_long_contexts_on_cuda(B, lengths):
     """20K-66K cached keys at kimi-linear-1.5b's heads, the split count `split_keys` picks for this table (over 100
     splits of a few pages each) and one split: the contexts of the bench's 32K prefix-hit turn, whose fp32 hit
-    differed from the cold prefill more than a no-cache control did (twenty-first session, docs/engine_h200_log.md);
-    the other GPU tests reach 683 keys."""
+    differed from the cold prefill more than a no-cache control did (twenty-first session; TF32 rounding in fla's
+    kernels, the twenty-second found: docs/engine_h200_log.md); the other GPU tests reach 683 keys."""
     check_at_kimi_linear_heads(B, 1, -(-(max(lengths) + 1) // 64) + 1, lengths, seed=B)
